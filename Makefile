@@ -1,0 +1,40 @@
+# The documented entry points. `make train` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch 2.14.1 + torchvision 0.29.1: the pair that works together on these machines (pip takes them from local disk)
+TORCH := torch==2.14.1 torchvision==0.29.1
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test test-fast lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+# The embedded default run: shapes (generated on first use), yolo26n at 160 px, batch 8 accumulated to nbs 64.
+train: install
+	$(BIN)/yoloaccum train data=datasets/shapes.yaml model=yolo26n.yaml imgsz=160 batch=8 nbs=64 epochs=30 \
+		workers=2 warmup_epochs=1 close_mosaic=5 project=runs/train name=shapes
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: install
+	$(BIN)/ruff check yoloaccum tests
+	$(BIN)/ruff format --check yoloaccum tests
+
+format: install
+	$(BIN)/ruff format yoloaccum tests
+	$(BIN)/ruff check --fix yoloaccum tests
+
+clean:
+	rm -rf $(VENV) runs datasets/shapes .pytest_cache

@@ -1,0 +1,89 @@
+"""Checkpoints in Ultralytics' layout, so best.pt opens in ultralytics.YOLO; written atomically, loaded safely.
+
+A checkpoint is Ultralytics' dict (a half-precision `ema` model, `train_args`, `epoch`, ...) plus a `yoloaccum` entry
+holding what an exact resume needs in plain tensors and numbers: the fp32 model and EMA weights, the optimizer,
+scaler, schedule position, early-stopping state and RNG states.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from yoloaccum.errors import UserError
+
+
+def save_atomic(obj: dict[str, Any], path: Path) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename: a kill leaves the old file or the new one."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_bytes_atomic(buffer.getvalue(), path)
+
+
+def write_bytes_atomic(data: bytes, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX within one filesystem
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def ultralytics_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A half-precision, criterion-free copy of a model, as Ultralytics stores `ema` for predict and export."""
+    copy = deepcopy(model).half().to(memory_format=torch.contiguous_format)
+    copy.criterion = None  # training-only state, and it holds our assigner wrappers
+    for p in copy.parameters():
+        p.requires_grad_(False)
+    return copy
+
+
+def load(path: str | Path, trust: bool = False) -> dict[str, Any]:
+    """Load a checkpoint with torch.load(weights_only=True) and Ultralytics' allow-list of model classes.
+
+    A file that needs anything else (arbitrary pickled objects can run code when loaded) is refused, unless the user
+    vouches for it with trust_weights=True.
+    """
+    from ultralytics.nn.tasks import torch_safe_load
+
+    path = Path(path)
+    if not path.is_file():  # checked here: Ultralytics would try to download a missing file by its name
+        raise UserError(f"weights file {path} does not exist; give the path to a local .pt file")
+    if path.suffix != ".pt":
+        raise UserError(f"{path} is not a .pt checkpoint")
+    try:
+        ckpt, _ = torch_safe_load(str(path), safe_only=not trust)
+    except TypeError as e:
+        if trust:
+            raise UserError(f"{path} is not a loadable checkpoint: {str(e).splitlines()[0]}") from e
+        raise UserError(
+            f"{path} needs unsafe unpickling (it references types outside Ultralytics' checkpoint format, which could "
+            "run code); if you trust this file, add trust_weights=True"
+        ) from e
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("ema") or ckpt.get("model"), torch.nn.Module):
+        raise UserError(f"{path} holds no Ultralytics model (no 'ema' or 'model' entry)")
+    return ckpt
+
+
+def model_of(ckpt: dict[str, Any]) -> torch.nn.Module:
+    """The fp32 model stored in a checkpoint: our exact weights when present, else Ultralytics' (half) EMA."""
+    model = (ckpt.get("ema") or ckpt["model"]).float()
+    if state := ckpt.get("yoloaccum", {}).get("ema"):
+        model.load_state_dict(state)
+    return model

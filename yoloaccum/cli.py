@@ -1,0 +1,152 @@
+"""The command line: parse key=value arguments, set up output and exit codes, and call one function per command.
+
+No training logic lives here. A UserError becomes exit code 2 and one line on stderr; the traceback is shown only
+with --verbose or YOLOACCUM_DEBUG=1. Anything else is a bug and raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from yoloaccum import __version__
+from yoloaccum.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Gradient-accumulating trainer for YOLO detectors. Arguments are key=value, as in Ultralytics.",
+)
+ARGS = Annotated[list[str] | None, typer.Argument(help="key=value settings, e.g. data=coco.yaml batch=8 nbs=64")]
+_state = {"verbose": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"yoloaccum {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks for errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    _state["verbose"] = verbose
+
+
+@app.command()
+def train(args: ARGS = None) -> None:
+    """Train a detector with gradient accumulation, e.g. `yoloaccum train data=coco.yaml batch=8 nbs=64`."""
+    from yoloaccum import trainer
+
+    trainer.run(args or [])
+
+
+@app.command()
+def val(args: ARGS = None) -> None:
+    """Validate weights on a dataset, e.g. `yoloaccum val model=runs/train/exp/weights/best.pt data=coco.yaml`."""
+    from yoloaccum import validate
+
+    validate.run(args or [])
+
+
+@app.command()
+def predict(args: ARGS = None) -> None:
+    """Detect objects in an image or folder, e.g. `yoloaccum predict model=best.pt source=images/`."""
+    from yoloaccum import predict as predict_
+
+    predict_.run(args or [])
+
+
+@app.command()
+def plan(
+    args: ARGS = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary and every iteration as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw accumulate, lr and momentum into a PNG.")] = None,
+) -> None:
+    """Show what a recipe will do: accumulate, effective batch, weight decay, warmup ramp, steps. Add images=N
+    to skip counting the dataset."""
+    from yoloaccum import config, data, schedule
+    from yoloaccum import plan as plan_
+
+    args = list(args or [])
+    images = _pop(args, "images")
+    cfg = config.resolve(args)
+    if images is not None:
+        if not images.isdigit() or int(images) < 1:
+            raise UserError(f"images={images} must be a positive whole number")
+        num_images, nc = int(images), 80 if cfg.data is None else data.load_spec(cfg.data).nc
+    elif cfg.data is None:
+        raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
+    else:
+        spec = data.load_spec(cfg.data)
+        num_images, nc = data.count_images(spec.train), spec.nc
+    sched = schedule.build(cfg, num_images, world_size=data.world_size(cfg.device), nc=nc)
+    if as_json:
+        typer.echo(json.dumps(plan_.to_json(cfg, sched)))
+    else:
+        plan_.render(cfg, sched, Console())
+    if plot:
+        plan_.plot(sched, plot)
+
+
+@app.command("cfg")
+def show_cfg(args: ARGS = None) -> None:
+    """Print the resolved configuration as YAML, e.g. `yoloaccum cfg cfg=recipe.yaml batch=8`."""
+    from yoloaccum import config
+
+    typer.echo(config.resolve(args or []).to_yaml(), nl=False)
+
+
+@app.command()
+def shapes(args: ARGS = None) -> None:
+    """Generate the synthetic shapes dataset, e.g. `yoloaccum shapes out=datasets/shapes`."""
+    from yoloaccum import shapes as shapes_
+
+    args = list(args or [])
+    out = _pop(args, "out") or "datasets/shapes"
+    options = {}
+    for key in ("num_train", "num_val", "imgsz", "seed"):
+        if (value := _pop(args, key)) is not None:
+            if not value.isdigit():
+                raise UserError(f"{key}={value} must be a whole number")
+            options[key] = int(value)
+    if args:
+        raise UserError(f"shapes takes out=, num_train=, num_val=, imgsz= and seed=, not {args[0]}")
+    root = shapes_.ensure(Path(out), **options)
+    typer.echo(f"shapes dataset ready in {root}")
+
+
+def _pop(args: list[str], key: str) -> str | None:
+    """Remove and return a command-specific key=value argument that is not a config key."""
+    for arg in args:
+        if arg.startswith(f"{key}="):
+            args.remove(arg)
+            return arg.split("=", 1)[1]
+    return None
+
+
+def run() -> None:
+    """Console-script entry point."""
+    try:
+        app(standalone_mode=True)
+    except UserError as e:
+        if _state["verbose"] or os.environ.get("YOLOACCUM_DEBUG") == "1" or "--verbose" in sys.argv:
+            raise
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,191 @@
+"""Datasets: resolve Ultralytics dataset YAMLs, count images, and build loaders whose image order is the seed's alone.
+
+The images, labels and augmentations are Ultralytics' YOLODataset. What yoloaccum adds is the order: one permutation
+per (seed, epoch), cut into global batches, so every device count and micro-batch size sees the same images in
+every accumulation window.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from yoloaccum.config import Config, load_yaml
+from yoloaccum.errors import UserError
+
+_PACKAGE = Path(__file__).resolve().parent
+DATASETS_DIRS = (_PACKAGE / "datasets", _PACKAGE.parent / "datasets")  # wheel copy, then the source checkout
+IMG_SUFFIXES = {"bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm", "heic"}
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset YAML with every path resolved: `train` and `val` are lists of folders, list files or images."""
+
+    yaml_file: Path
+    root: Path
+    train: tuple[Path, ...]
+    val: tuple[Path, ...]
+    names: dict[int, str]
+
+    @property
+    def nc(self) -> int:
+        return len(self.names)
+
+
+def find_yaml(name: str | Path) -> Path:
+    """A dataset YAML as given, or by bare name from yoloaccum's datasets/ folder (data=coco.yaml)."""
+    path = Path(name)
+    if path.is_file():
+        return path.resolve()
+    for folder in DATASETS_DIRS:
+        if not path.is_absolute() and (folder / path.name).is_file() and path.parent == Path("."):
+            return (folder / path.name).resolve()
+    raise UserError(f"dataset YAML {name} does not exist; give the path to an Ultralytics dataset YAML as data=")
+
+
+def load_spec(name: str | Path, split: str = "val") -> DatasetSpec:
+    """Read and check a dataset YAML. A relative `path` is resolved against the YAML's folder first, then the
+    current folder; a missing `path` means the YAML's folder. train/val entries are relative to that root."""
+    yaml_file = find_yaml(name)
+    raw = load_yaml(yaml_file)
+    if not isinstance(raw, dict):
+        raise UserError(f"{yaml_file} must be a mapping with path, train, val and names")
+    for key in ("train", split, "names"):
+        if not raw.get(key):
+            raise UserError(f"{yaml_file} has no '{key}' entry; an Ultralytics dataset YAML needs train, val and names")
+    root = _root(yaml_file, raw.get("path"))
+    if generate := raw.get("yoloaccum_generate"):  # the synthetic shapes set makes itself on first use
+        from yoloaccum import shapes
+
+        shapes.ensure(root, **generate)
+    names = raw["names"]
+    if isinstance(names, list):
+        names = dict(enumerate(names))
+    if not isinstance(names, dict) or sorted(names) != list(range(len(names))):
+        raise UserError(f"{yaml_file}: names must be a list or a mapping 0: name, 1: name, ... without gaps")
+    return DatasetSpec(yaml_file, root, _entries(yaml_file, root, raw["train"]), _entries(yaml_file, root, raw[split]),
+                       {int(k): str(v) for k, v in names.items()})  # fmt: skip
+
+
+def _root(yaml_file: Path, path: str | None) -> Path:
+    if not path:
+        return yaml_file.parent
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    beside = yaml_file.parent / p
+    return beside if beside.exists() or not (Path.cwd() / p).exists() else Path.cwd() / p
+
+
+def _entries(yaml_file: Path, root: Path, value: str | list[str]) -> tuple[Path, ...]:
+    paths = tuple(root / v for v in (value if isinstance(value, list) else [value]))
+    for p in paths:
+        if not p.exists():
+            hint = " (its README or header says how to get the images)" if "coco" in yaml_file.name else ""
+            raise UserError(f"{yaml_file}: {p} does not exist; download the dataset or fix 'path'{hint}")
+    return paths
+
+
+def count_images(paths: tuple[Path, ...]) -> int:
+    """Images under folders and in list files, found by suffix without decoding any image."""
+    n = 0
+    for p in paths:
+        if p.is_dir():
+            n += sum(1 for f in p.rglob("*.*") if f.suffix[1:].lower() in IMG_SUFFIXES)
+        elif p.suffix == ".txt":
+            n += sum(
+                1 for line in p.read_text().splitlines() if line.strip().rpartition(".")[2].lower() in IMG_SUFFIXES
+            )
+        else:
+            n += p.suffix[1:].lower() in IMG_SUFFIXES
+    return n
+
+
+def world_size(device: str | None) -> int:
+    """Devices a run uses: torchrun's WORLD_SIZE when launched by it, else the count of listed CUDA devices."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    ids = [d for d in str(device or "").replace("cuda:", "").split(",") if d.strip() not in {"", "cpu", "mps"}]
+    return max(len(ids), 1)
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """Batches of dataset indices for one rank, in an order set by (seed, epoch) alone.
+
+    Each epoch draws one permutation of all images, cuts it into global batches of `batch` images and gives rank r
+    the r-th contiguous slice of each. A window of k global batches therefore holds the same images whatever the
+    number of ranks. The last global batch is short and split as evenly as the ranks allow; nothing is dropped
+    or padded. Like DistributedSampler, call set_epoch() before each epoch.
+    """
+
+    def __init__(self, num_images: int, batch: int, rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 seed: int = 0):  # fmt: skip
+        assert batch % world_size == 0 and 0 <= rank < world_size
+        if num_images % batch and num_images % batch < world_size:
+            raise UserError(
+                f"{num_images} images end in a last batch of {num_images % batch}, too few for {world_size} devices; "
+                f"choose a batch that leaves at least {world_size} images in the last one"
+            )
+        self.num_images, self.batch, self.rank, self.world_size = num_images, batch, rank, world_size
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_images / self.batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_images, generator=g).tolist()
+        else:
+            order = list(range(self.num_images))
+        for start in range(0, self.num_images, self.batch):
+            global_batch = order[start : start + self.batch]
+            cuts = [len(global_batch) * r // self.world_size for r in range(self.world_size + 1)]
+            yield global_batch[cuts[self.rank] : cuts[self.rank + 1]]
+
+
+def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32) -> Dataset:
+    """Ultralytics' YOLODataset with its augmentations (train) or letterboxed rectangles (val)."""
+    from ultralytics.data import build_yolo_dataset
+
+    from yoloaccum.ultra import ultralytics_args
+
+    paths = [str(p) for p in (spec.train if split == "train" else spec.val)]
+    data = {"names": spec.names, "nc": spec.nc, "channels": 3}
+    mode = "train" if split == "train" else "val"
+    try:
+        return build_yolo_dataset(ultralytics_args(cfg), paths if len(paths) > 1 else paths[0], cfg.batch, data,
+                                  mode=mode, rect=mode == "val", stride=stride)  # fmt: skip
+    except FileNotFoundError as e:
+        raise UserError(f"{spec.yaml_file}: no images found for {split} in {', '.join(paths)}") from e
+
+
+def build_loader(dataset: Dataset, cfg: Config, micro_batch: int, rank: int, world: int, train: bool) -> DataLoader:
+    """A DataLoader over one rank's share; workers are seeded from the run seed for reproducible augmentation."""
+    from ultralytics.data.build import seed_worker
+
+    if train:
+        sampler = EpochBatchSampler(len(dataset), micro_batch * world, rank, world, shuffle=True, seed=cfg.seed)
+    else:  # validation runs on rank 0 alone, in file order
+        sampler = EpochBatchSampler(len(dataset), micro_batch, shuffle=False)
+    workers = min(cfg.workers, os.cpu_count() or 1)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        collate_fn=dataset.collate_fn,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=workers > 0,
+        worker_init_fn=seed_worker,
+        generator=torch.Generator().manual_seed(cfg.seed + rank),
+    )

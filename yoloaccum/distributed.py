@@ -1,0 +1,101 @@
+"""Devices and processes: pick the device, join torchrun's process group, and wrap the model in DDP.
+
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is one process and DDP is never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from yoloaccum.errors import UserError
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this process runs: its rank among world_size processes, and its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def cuda_ids(device: str | None) -> list[int]:
+    """CUDA device ids from a device string: '' and 'cpu' give none; '0', '0,1' and 'cuda:1' give ids."""
+    text = str(device or "").strip().lower().replace("cuda:", "")
+    if text in {"", "cpu"}:
+        return []
+    try:
+        return [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise UserError(f"device={device} is not understood; use cpu, 0, or a list such as 0,1,2,3") from None
+
+
+def select_device(device: str | None, local_rank: int = 0) -> torch.device:
+    """The torch device for this process; asking for CUDA where there is none is an error, not a silent CPU run."""
+    ids = cuda_ids(device)
+    if not ids:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(f"device={device} asks for CUDA, but no CUDA device is available; use device=cpu")
+    if max(ids) >= torch.cuda.device_count():
+        raise UserError(f"device={device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return torch.device("cuda", ids[local_rank % len(ids)] if "LOCAL_RANK" not in os.environ else local_rank)
+
+
+def setup(device: str | None, timeout_s: float = 600) -> Context:
+    """Join torchrun's process group when launched by it (nccl on CUDA, gloo on the CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = select_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return Context(rank, local_rank, world, dev)
+
+
+def wrap(model: nn.Module, ctx: Context, bn: str) -> nn.Module:
+    """DDP around the model when there are several processes; SyncBatchNorm first with bn=sync."""
+    if bn == "sync":
+        if ctx.device.type != "cuda" or ctx.world_size < 2:
+            raise UserError("bn=sync needs several CUDA devices under DDP; use bn=batch or bn=frozen here")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if ctx.world_size < 2:
+        return model
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def no_sync(model: nn.Module, skip: bool):
+    """DDP's no_sync() on every micro-batch of a window but the last: gradients all-reduce once per window."""
+    if skip and isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def all_reduce_sum(t: torch.Tensor, ctx: Context) -> torch.Tensor:
+    if ctx.world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def barrier(ctx: Context) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

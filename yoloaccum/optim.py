@@ -1,0 +1,72 @@
+"""The optimizer: Ultralytics' parameter groups, with lr, momentum and weight decay taken from the schedule."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from yoloaccum.schedule import Schedule
+
+_ADAM = {"Adam", "Adamax", "AdamW", "NAdam", "RAdam"}
+
+
+def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimizer:
+    """Groups as Ultralytics: weights with the scaled weight decay, norm-layer weights and biases without.
+
+    Each group records its `initial_lr` (lr0, or 3 x lr0 for MuSGD's heads) and `param_group` name; set_hyperparameters
+    derives the current values from those and the schedule.
+    """
+    name, lr, momentum = schedule.optimizer, schedule.lr0, schedule.momentum
+    norm_types = tuple(v for k, v in nn.__dict__.items() if "Norm" in k)
+    use_muon = name == "MuSGD"
+    groups: dict[str, list[nn.Parameter]] = {"weight": [], "bn": [], "bias": [], "muon": []}
+    for module in model.modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            if use_muon and param.ndim in {2, 4}:  # muon orthogonalises matrices and conv filters only
+                groups["muon"].append(param)
+            elif param_name == "bias":
+                groups["bias"].append(param)
+            elif isinstance(module, norm_types) or "logit_scale" in param_name:
+                groups["bn"].append(param)
+            else:
+                groups["weight"].append(param)
+    decay = {"weight": schedule.weight_decay, "muon": schedule.weight_decay, "bn": 0.0, "bias": 0.0}
+    boosted = _head_cls_params(model) if use_muon else set()  # MuSGD trains the class heads at 3 x lr
+    param_groups = []
+    for group, params in groups.items():
+        for boost in (True, False) if use_muon else (False,):
+            chosen = [p for p in params if (id(p) in boosted) == boost]
+            if not chosen and (use_muon or group == "muon"):
+                continue  # Ultralytics always has weight, bn and bias groups; the others only when used
+            base_lr = lr * 3 if boost else lr
+            param_groups.append(
+                {"params": chosen, "param_group": group, "weight_decay": decay[group], "initial_lr": base_lr,
+                 "lr": base_lr, **({"use_muon": True} if group == "muon" else {})}
+            )  # fmt: skip
+    if name in _ADAM:
+        return getattr(torch.optim, name)(param_groups, lr=lr, betas=(momentum, 0.999))
+    if name == "RMSProp":
+        return torch.optim.RMSprop(param_groups, lr=lr, momentum=momentum)
+    if name == "SGD":
+        return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True)
+    from ultralytics.optim import MuSGD
+
+    return MuSGD(param_groups, lr=lr, momentum=momentum, nesterov=True, muon=0.2, sgd=1.0)
+
+
+def _head_cls_params(model: nn.Module) -> set[int]:
+    head = model.model[-1]
+    return {
+        id(p) for m in (getattr(head, "cv3", None), getattr(head, "one2one_cv3", None)) if m for p in m.parameters()
+    }
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, schedule: Schedule, ni: int) -> None:
+    """Set every group's lr and momentum for the optimizer step taken after iteration ni."""
+    momentum = schedule.momentum_at(ni)
+    for g in optimizer.param_groups:
+        g["lr"] = schedule.lr_at(ni, g["initial_lr"], bias=g["param_group"] == "bias")
+        if "momentum" in g:  # as Ultralytics: SGD-style momentum only; Adam's betas stay as built
+            g["momentum"] = momentum

@@ -1,0 +1,144 @@
+"""`yoloaccum plan`: what a recipe will do, from the schedule alone, as a rich summary, JSON or a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from yoloaccum.config import Config
+from yoloaccum.schedule import Schedule
+
+JSON_VERSION = 1  # bump when a field of `plan --json` changes meaning or disappears
+
+
+def warnings(cfg: Config, schedule: Schedule) -> list[str]:
+    """Recipe choices that work but deserve a second look."""
+    out = []
+    if cfg.bn == "batch" and schedule.micro_batch < 8:
+        out.append(
+            f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm statistics from so few images "
+            "are noisy; consider bn=frozen (fine-tuning) or bn=sync (several CUDA devices)"
+        )
+    if cfg.nbs < cfg.batch:
+        out.append(
+            f"nbs={cfg.nbs} < batch={cfg.batch}: accumulate is 1 and weight decay is scaled up by "
+            f"{cfg.batch / cfg.nbs:.3g}x"
+        )
+    return out
+
+
+def ramp_ranges(schedule: Schedule) -> list[tuple[int, int, int]]:
+    """The accumulate ramp as (first ni, last ni, accumulate) runs, through the end of warmup."""
+    runs: list[tuple[int, int, int]] = []
+    for ni in range(min(schedule.warmup_iterations, schedule.total_iterations - 1) + 1):
+        acc = schedule.accumulate_at(ni)
+        if runs and runs[-1][2] == acc:
+            runs[-1] = (runs[-1][0], ni, acc)
+        else:
+            runs.append((ni, ni, acc))
+    return runs
+
+
+def summary(cfg: Config, schedule: Schedule) -> dict[str, Any]:
+    """The plan's headline figures; also the `summary` object of `plan --json`."""
+    return {
+        "images": schedule.num_images,
+        "epochs": schedule.epochs,
+        "world_size": schedule.world_size,
+        "batch": schedule.batch,
+        "micro_batch_per_device": schedule.micro_batch,
+        "nbs": schedule.nbs,
+        "accumulate": schedule.accumulate,
+        "effective_batch": schedule.effective_batch,
+        "weight_decay": cfg.weight_decay,
+        "weight_decay_scaled": schedule.weight_decay,
+        "warmup_iterations": schedule.warmup_iterations,
+        "accumulate_ramp": [{"first_ni": a, "last_ni": b, "accumulate": c} for a, b, c in ramp_ranges(schedule)],
+        "optimizer": schedule.optimizer,
+        "lr0": schedule.lr0,
+        "batches_per_epoch": schedule.batches_per_epoch,
+        "steps_per_epoch": [schedule.steps_per_epoch(e) for e in range(schedule.epochs)],
+        "total_steps": schedule.total_steps,
+        "norm": cfg.norm,
+        "bn": cfg.bn,
+        "remainder": cfg.remainder,
+        "warnings": warnings(cfg, schedule),
+    }
+
+
+def iterations(schedule: Schedule) -> list[dict[str, Any]]:
+    """One record per iteration ni: epoch, accumulate, whether a step follows, lr per group, momentum."""
+    out = []
+    for ni in range(schedule.total_iterations):
+        weight_lr = schedule.lr_at(ni, schedule.lr0, bias=False)
+        out.append(
+            {
+                "ni": ni,
+                "epoch": ni // schedule.batches_per_epoch,
+                "accumulate": schedule.accumulate_at(ni),
+                "step": schedule.steps_after(ni),
+                "lr": {"weight": weight_lr, "bn": weight_lr, "bias": schedule.lr_at(ni, schedule.lr0, bias=True)},
+                "momentum": schedule.momentum_at(ni),
+            }
+        )
+    return out
+
+
+def to_json(cfg: Config, schedule: Schedule) -> dict[str, Any]:
+    return {"version": JSON_VERSION, "summary": summary(cfg, schedule), "iterations": iterations(schedule)}
+
+
+def render(cfg: Config, schedule: Schedule, console: Console) -> None:
+    """Print the summary as a rich table, then the warnings."""
+    s = summary(cfg, schedule)
+    ramp = ", ".join(f"{a}–{b} → {c}" for a, b, c in ramp_ranges(schedule)) if s["warmup_iterations"] else "none"
+    steps = s["steps_per_epoch"]
+    per_epoch = str(steps[0]) if len(set(steps)) == 1 else f"{min(steps)}–{max(steps)}"
+    table = Table(title="yoloaccum plan", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("images / epochs", f"{s['images']} / {s['epochs']}"),
+        ("devices × micro-batch", f"{s['world_size']} × {s['micro_batch_per_device']} (batch={s['batch']})"),
+        ("accumulate", f"{s['accumulate']} (nbs={s['nbs']})"),
+        ("effective batch", f"{s['effective_batch']} images per optimizer step"),
+        ("weight decay", f"{s['weight_decay']:g} → {s['weight_decay_scaled']:g} (× batch·accumulate/nbs)"),
+        ("warmup", f"{s['warmup_iterations']} iterations"),
+        ("accumulate ramp", f"ni {ramp}"),
+        ("optimizer", f"{s['optimizer']} lr0={s['lr0']:g}"),
+        ("iterations per epoch", str(s["batches_per_epoch"])),
+        ("optimizer steps", f"{per_epoch} per epoch, {s['total_steps']} in total"),
+        ("norm / bn / remainder", f"{s['norm']} / {s['bn']} / {s['remainder']}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for w in s["warnings"]:
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+def plot(schedule: Schedule, path: Path) -> None:
+    """Draw accumulate, lr and momentum against the iteration into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display here, and no font downloads: matplotlib ships its own fonts
+    import matplotlib.pyplot as plt
+
+    records = iterations(schedule)
+    ni = [r["ni"] for r in records]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    axes[0].step(ni, [r["accumulate"] for r in records], where="post")
+    axes[0].set_ylabel("accumulate")
+    for group in ("weight", "bias"):
+        axes[1].plot(ni, [r["lr"][group] for r in records], label=group)
+    axes[1].set_ylabel("lr")
+    axes[1].legend()
+    axes[2].plot(ni, [r["momentum"] for r in records])
+    axes[2].set_ylabel("momentum")
+    axes[2].set_xlabel("iteration (ni)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

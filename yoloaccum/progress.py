@@ -1,0 +1,100 @@
+"""Progress and results: a rich bar in a terminal, plain lines elsewhere, results.csv and results.png.
+
+Loss values live on the device and are read back (a host sync) only when a line or the bar is refreshed, every
+`log_every` micro-batches, never per micro-batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+EXTRA_COLUMNS = ("accumulate", "effective_batch", "weight_decay", "images_per_second")
+
+
+def memory_gb(device: torch.device) -> float:
+    """Memory in use: CUDA's reserved memory, or the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+class EpochProgress:
+    """One epoch's display. `update()` is called every micro-batch and is cheap; it reads values back rarely."""
+
+    def __init__(self, epoch: int, epochs: int, num_batches: int, loss_names: tuple[str, ...], log_every: int,
+                 device: torch.device, enabled: bool = True, console: Console | None = None):  # fmt: skip
+        self.epoch, self.epochs, self.nb, self.names = epoch, epochs, num_batches, loss_names
+        self.log_every, self.device, self.enabled = log_every, device, enabled
+        self.console = console or Console()
+        self.interactive = enabled and self.console.is_terminal
+        self.loss_sum: torch.Tensor | None = None
+        self.images, self.start = 0, time.perf_counter()
+        self.bar: Progress | None = None
+        if self.interactive:
+            columns = (BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"))
+            self.bar = Progress(TextColumn("{task.description}"), *columns, console=self.console)
+            self.task = self.bar.add_task(f"epoch {epoch + 1}/{epochs}", total=num_batches, stats="")
+            self.bar.start()
+
+    def update(self, i: int, items: torch.Tensor, num_images: int, fill: int, accumulate: int, effective_batch: int,
+               lr: float) -> None:  # fmt: skip
+        """Record micro-batch i (0-based); fill/accumulate is the window's progress; items are the loss terms."""
+        self.loss_sum = items.detach() if self.loss_sum is None else self.loss_sum + items.detach()
+        self.images += num_images
+        if not self.enabled:
+            return
+        last = i + 1 == self.nb
+        refresh = last or (i + 1) % self.log_every == 0
+        if self.bar is not None:
+            fields = {"stats": self._stats(i, fill, accumulate, effective_batch, lr)} if refresh else {}
+            self.bar.update(self.task, completed=i + 1, **fields)
+        elif refresh:
+            print(f"epoch {self.epoch + 1}/{self.epochs} {i + 1}/{self.nb} "
+                  f"{self._stats(i, fill, accumulate, effective_batch, lr)}", flush=True)  # fmt: skip
+
+    def _stats(self, i: int, fill: int, accumulate: int, effective_batch: int, lr: float) -> str:
+        losses = " ".join(f"{n.replace('_loss', '')}={v:.3f}" for n, v in zip(self.names, self.mean_losses(i + 1)))
+        return (f"window {fill}/{accumulate} eff_batch={effective_batch} lr={lr:.3g} {losses} "
+                f"{self.images_per_second():.1f} img/s mem={memory_gb(self.device):.2f}G")  # fmt: skip
+
+    def mean_losses(self, count: int) -> list[float]:
+        return (self.loss_sum / count).tolist() if self.loss_sum is not None else []
+
+    def images_per_second(self) -> float:
+        return self.images / max(time.perf_counter() - self.start, 1e-9)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class Results:
+    """results.csv with Ultralytics' column names plus yoloaccum's, one row per epoch, and results.png from it."""
+
+    def __init__(self, save_dir: Path):
+        self.file = save_dir / "results.csv"
+
+    def append(self, row: dict[str, float]) -> None:
+        new = not self.file.exists()
+        with self.file.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(row))
+            if new:
+                writer.writeheader()
+            writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+
+    def plot(self) -> None:
+        from ultralytics.utils.plotting import plot_results
+
+        plot_results(file=self.file)  # matplotlib only: draws every *loss* and metrics/* column
+
+
+def is_terminal() -> bool:
+    return sys.stdout.isatty()

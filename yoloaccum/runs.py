@@ -1,0 +1,83 @@
+"""The run folder (project/name, exp2, exp3, ...) with args.yaml, weights/ and results, and the run's seeding."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from yoloaccum.config import Config
+from yoloaccum.errors import UserError
+from yoloaccum.progress import Results
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed python, numpy and torch; with deterministic, ask torch for deterministic kernels where it has them."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def next_free(base: Path, exist_ok: bool) -> Path:
+    """base itself if free (or exist_ok), else base2, base3, ... as Ultralytics names runs."""
+    if exist_ok or not base.exists():
+        return base
+    n = 2
+    while (path := base.with_name(f"{base.name}{n}")).exists():
+        n += 1
+    return path
+
+
+@dataclass
+class RunDir:
+    """A run's output folder; created and checked for writability before training starts."""
+
+    path: Path
+    console: Console = field(default_factory=Console)
+
+    @classmethod
+    def create(cls, cfg: Config) -> RunDir:
+        path = next_free(Path(cfg.project or "runs/train") / (cfg.name or "exp"), cfg.exist_ok)
+        try:
+            (path / "weights").mkdir(parents=True, exist_ok=True)
+            probe = path / ".write_test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
+        (path / "args.yaml").write_text(cfg.to_yaml())
+        return cls(path)
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "weights"
+
+    @property
+    def results(self) -> Results:
+        return Results(self.path)
+
+    def announce(self, schedule, num_images: int, ctx) -> None:
+        s = schedule
+        self.console.print(
+            f"[bold]yoloaccum[/] {num_images} images, {s.epochs} epochs on {ctx.world_size} × {ctx.device}: "
+            f"micro-batch {s.micro_batch} × accumulate {s.accumulate} × {ctx.world_size} device(s) = effective batch "
+            f"{s.effective_batch}; weight decay {s.weight_decay:g}; {s.optimizer} lr0={s.lr0:g}; results in {self.path}"
+        )
+
+    def finish(self, evaluator, cfg: Config) -> None:
+        """results.png and the final per-class table."""
+        if cfg.plots and self.results.file.exists():
+            self.results.plot()
+        if evaluator is not None and cfg.verbose:
+            self.console.print(evaluator.class_table())
+        self.console.print(f"weights: {self.weights / 'best.pt'} and {self.weights / 'last.pt'}")

@@ -1,0 +1,187 @@
+"""The accumulation schedule: pure arithmetic with no training state.
+
+From a resolved config, the number of training images and the world size it decides, for every iteration ni (one
+micro-batch on every device), how many micro-batches make a window, whether the optimizer steps after it, and the
+learning rate and momentum. The formulas are Ultralytics 8.4's BaseTrainer; where yoloaccum differs it says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from yoloaccum.config import Config
+from yoloaccum.errors import UserError
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the optimizer steps and with which hyperparameters, for a run of `epochs` epochs."""
+
+    num_images: int  # training images per epoch
+    world_size: int  # devices (DDP ranks)
+    batch: int  # global micro-batch: images in one iteration over all devices
+    nbs: int  # nominal batch size of the recipe
+    epochs: int
+    remainder: str  # step: an epoch's short last window steps; carry: Ultralytics' global rule
+    warmup_epochs: float
+    base_weight_decay: float
+    optimizer: str  # resolved: never "auto"
+    lr0: float
+    lrf: float
+    cos_lr: bool
+    momentum: float
+    warmup_momentum: float
+    warmup_bias_lr: float
+
+    @property
+    def micro_batch(self) -> int:
+        """Images per device in one forward pass."""
+        return self.batch // self.world_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Iterations per epoch; the last one is short when num_images is not a multiple of batch."""
+        return math.ceil(self.num_images / self.batch)
+
+    @property
+    def total_iterations(self) -> int:
+        return self.batches_per_epoch * self.epochs
+
+    @property
+    def uncapped_accumulate(self) -> int:
+        return max(round(self.nbs / self.batch), 1)
+
+    @property
+    def accumulate(self) -> int:
+        """Nominal micro-batches per window after warmup; never more than the run has."""
+        return min(self.uncapped_accumulate, self.total_iterations)
+
+    @property
+    def effective_batch(self) -> int:
+        """Images per optimizer step over all devices: micro-batch x accumulate x devices."""
+        return self.batch * self.accumulate
+
+    @property
+    def weight_decay(self) -> float:
+        """weight_decay scaled to the images per step; like Ultralytics, from accumulate before the cap."""
+        return self.base_weight_decay * self.batch * self.uncapped_accumulate / self.nbs
+
+    @property
+    def warmup_iterations(self) -> int:
+        """nw: warmup leaves at least the final epoch for regular training."""
+        if self.warmup_epochs <= 0:
+            return 0
+        return round(min(self.warmup_epochs, max(self.epochs - 1, 0)) * self.batches_per_epoch)
+
+    def accumulate_at(self, ni: int) -> int:
+        """Micro-batches per window at iteration ni: ramps from 1 to the nominal value over warmup."""
+        nw = self.warmup_iterations
+        if nw and ni <= nw:
+            return max(1, int(np.interp(ni, [0, nw], [1, self.accumulate]).round()))
+        return self.accumulate
+
+    def lf(self, epoch: int) -> float:
+        """Learning-rate factor of an epoch: linear from 1 to lrf, or cosine with cos_lr."""
+        if self.cos_lr:
+            return max((1 - math.cos(epoch * math.pi / self.epochs)) / 2, 0) * (self.lrf - 1) + 1
+        return max(1 - epoch / self.epochs, 0) * (1.0 - self.lrf) + self.lrf
+
+    def lr_at(self, ni: int, base_lr: float, bias: bool) -> float:
+        """Learning rate at ni of a parameter group whose initial lr is base_lr (lr0, or a multiple for MuSGD)."""
+        target = base_lr * self.lf(ni // self.batches_per_epoch)
+        nw = self.warmup_iterations
+        if nw and ni <= nw:  # biases fall from warmup_bias_lr, everything else rises from 0
+            return float(np.interp(ni, [0, nw], [self.warmup_bias_lr if bias else 0.0, target]))
+        return target
+
+    def momentum_at(self, ni: int) -> float:
+        nw = self.warmup_iterations
+        if nw and ni <= nw:
+            return float(np.interp(ni, [0, nw], [self.warmup_momentum, self.momentum]))
+        return self.momentum
+
+    def window_ends(self, epoch: int) -> tuple[int, ...]:
+        """In-epoch indices i after which the optimizer steps; each window's last micro-batch."""
+        return self._ends[epoch]
+
+    def steps_after(self, ni: int) -> bool:
+        nb = self.batches_per_epoch
+        return ni % nb in self._end_sets[ni // nb]
+
+    def steps_per_epoch(self, epoch: int) -> int:
+        return len(self._ends[epoch])
+
+    @property
+    def total_steps(self) -> int:
+        return sum(map(len, self._ends))
+
+    @cached_property
+    def _end_sets(self) -> list[frozenset[int]]:
+        return [frozenset(e) for e in self._ends]
+
+    @cached_property
+    def _ends(self) -> list[tuple[int, ...]]:
+        if self.remainder == "carry":
+            return self._carry_ends()
+        nb, ends = self.batches_per_epoch, []
+        for epoch in range(self.epochs):
+            # A window holds accumulate(ni) micro-batches counted from its first one and never spans two epochs:
+            # the epoch's last micro-batches form a shorter window, so no image is dropped at the end of the run.
+            i, epoch_ends = 0, []
+            while i < nb:
+                i = min(i + self.accumulate_at(epoch * nb + i), nb)
+                epoch_ends.append(i - 1)
+            ends.append(tuple(epoch_ends))
+        return ends
+
+    def _carry_ends(self) -> list[tuple[int, ...]]:
+        # Ultralytics' rule, exactly: step after ni when ni - last_opt_step >= accumulate(ni), last_opt_step from -1.
+        # A window may span two epochs, and the last epoch's tail never steps.
+        nb, nw, steps, last = self.batches_per_epoch, self.warmup_iterations, [], -1
+        for ni in range(min(nw + 1, self.total_iterations)):
+            if ni - last >= self.accumulate_at(ni):
+                steps.append(last := ni)
+        # After warmup accumulate is constant, so the remaining steps are an arithmetic sequence.
+        first = max(last + self.accumulate, nw + 1)
+        steps.extend(range(first, self.total_iterations, self.accumulate))
+        ends: list[list[int]] = [[] for _ in range(self.epochs)]
+        for ni in steps:
+            ends[ni // nb].append(ni % nb)
+        return [tuple(e) for e in ends]
+
+
+def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Schedule:
+    """The schedule of a run; nc is needed only to pick lr0 when optimizer=auto."""
+    if num_images < 1:
+        raise UserError("the training split has no images; check the dataset's train entry")
+    if cfg.batch % world_size:
+        raise UserError(
+            f"batch={cfg.batch} does not divide over {world_size} devices; use a multiple of {world_size}, "
+            f"e.g. batch={max(1, cfg.batch // world_size) * world_size}"
+        )
+    optimizer, lr0, momentum, warmup_bias_lr = cfg.optimizer, cfg.lr0, cfg.momentum, cfg.warmup_bias_lr
+    if optimizer == "auto":  # Ultralytics' choice: AdamW for short runs, MuSGD for long ones
+        iterations = math.ceil(num_images / max(cfg.batch, cfg.nbs)) * cfg.epochs
+        optimizer, lr0 = ("MuSGD", 0.01) if iterations > 10000 else ("AdamW", round(0.002 * 5 / (4 + nc), 6))
+        momentum, warmup_bias_lr = 0.9, 0.0
+    return Schedule(
+        num_images=num_images,
+        world_size=world_size,
+        batch=cfg.batch,
+        nbs=cfg.nbs,
+        epochs=cfg.epochs,
+        remainder=cfg.remainder,
+        warmup_epochs=cfg.warmup_epochs,
+        base_weight_decay=cfg.weight_decay,
+        optimizer=optimizer,
+        lr0=lr0,
+        lrf=cfg.lrf,
+        cos_lr=cfg.cos_lr,
+        momentum=momentum,
+        warmup_momentum=cfg.warmup_momentum,
+        warmup_bias_lr=warmup_bias_lr,
+    )

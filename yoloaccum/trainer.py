@@ -1,0 +1,219 @@
+"""The training engine: micro-batches forward and backward, gradients summed over a window, one optimizer step.
+
+Reading order: Trainer.train() runs epochs; train_epoch() runs micro-steps and, at each window end, step().
+Everything about *when* comes from the schedule; everything about the loss normaliser from loss.WindowLoss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from yoloaccum import checkpoint, data, distributed, loss, optim
+from yoloaccum import model as model_
+from yoloaccum import schedule as schedule_
+from yoloaccum.config import Config, resolve
+from yoloaccum.errors import UserError
+from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
+from yoloaccum.runs import RunDir, seed_everything
+from yoloaccum.validate import Evaluator, metrics_table
+
+
+class Trainer:
+    """Trains cfg.model on cfg.data with gradient accumulation; rank 0 validates, logs and saves.
+
+    Contract: the optimizer steps exactly after the schedule's window ends; unscale, clip, step, zero_grad and the
+    EMA update happen once per step, in that order; with norm=window a window's gradient equals that of one batch
+    made of all its images.
+    """
+
+    def __init__(self, cfg: Config):
+        from ultralytics.utils.torch_utils import EarlyStopping, ModelEMA
+
+        self.cfg = cfg
+        self.ctx = distributed.setup(cfg.device)
+        seed_everything(cfg.seed, cfg.deterministic)
+        self.spec = data.load_spec(cfg.data, cfg.split)
+        self.run = RunDir.create(cfg) if self.ctx.is_main else None
+        self.train_set = data.build_dataset(cfg, self.spec, "train")
+        self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
+        self.loader = self._loader()
+        self.raw_model = model_.build(cfg, self.spec, verbose=False).to(self.ctx.device)
+        self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
+        self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
+        self.model = distributed.wrap(self.raw_model, self.ctx, cfg.bn)
+        self.optimizer = optim.build_optimizer(self.raw_model, self.schedule)
+        self.amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
+        self.stopper = EarlyStopping(patience=cfg.patience)
+        self.evaluator = Evaluator(cfg, self.spec, self.run.path, cfg.batch * 2, self.ctx.device) if self.run else None
+        self.window_counts = torch.zeros(1 + len(self.loss.branches), device=self.ctx.device)
+        self.start_epoch, self.best_fitness, self.metrics = 0, None, {}
+
+    def _loader(self):
+        s = self.schedule
+        return data.build_loader(self.train_set, self.cfg, s.micro_batch, self.ctx.rank, self.ctx.world_size, True)
+
+    def train(self) -> dict[str, float]:
+        """Run every epoch; returns the final validation metrics."""
+        s, cfg = self.schedule, self.cfg
+        if self.run:
+            self.run.announce(s, len(self.train_set), self.ctx)
+        for epoch in range(self.start_epoch, s.epochs):
+            t0 = time.perf_counter()
+            if cfg.close_mosaic and epoch == max(s.epochs - cfg.close_mosaic, 0) and cfg.mosaic > 0:
+                self._close_mosaic()
+            images_per_second = self.train_epoch(epoch)
+            self.loss.end_epoch()
+            final = epoch + 1 == s.epochs
+            stop = self.end_epoch(epoch, final, images_per_second, time.perf_counter() - t0)
+            if stop:
+                break
+        distributed.barrier(self.ctx)
+        return self.metrics
+
+    def train_epoch(self, epoch: int) -> float:
+        """One pass over the data: a micro-step per batch and an optimizer step at each window end."""
+        s, nb = self.schedule, self.schedule.batches_per_epoch
+        self.loader.batch_sampler.set_epoch(epoch)
+        self.model.train()
+        model_.set_bn_mode(self.model, self.cfg.bn)
+        progress = EpochProgress(epoch, s.epochs, nb, self.loss_names, self.cfg.log_every, self.ctx.device,
+                                 enabled=self.run is not None)  # fmt: skip
+        window_start = 0
+        for i, batch in enumerate(self.loader):
+            ni = epoch * nb + i
+            last_in_window = s.steps_after(ni)
+            # DDP all-reduces gradients in backward(); skip that on all but the window's last micro-batch.
+            with distributed.no_sync(self.model, skip=not last_in_window):
+                items = self.micro_step(batch)
+            if last_in_window:
+                self.step(ni)
+            progress.update(i, items, batch["img"].shape[0], i - window_start + 1, s.accumulate_at(ni),
+                            s.batch * s.accumulate_at(ni), self.optimizer.param_groups[0]["lr"])  # fmt: skip
+            if last_in_window:
+                window_start = i + 1
+        progress.close()
+        self.train_losses = progress.mean_losses(nb)
+        return progress.images_per_second() * self.ctx.world_size
+
+    def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Forward and backward one micro-batch; each backward() adds into .grad."""
+        batch["img"] = batch["img"].to(self.ctx.device, non_blocking=True).float() / 255
+        with torch.autocast(self.ctx.device.type, enabled=self.amp):
+            preds = self.model(batch["img"])
+            loss, items, counts = self.loss(preds, batch)
+        self.window_counts += counts  # images and target-score sums of the window, kept on the device
+        self.scaler.scale(loss).backward()
+        return items
+
+    def step(self, ni: int) -> None:
+        """End a window, exactly once each: normalise, unscale, clip, optimizer step, zero_grad, EMA update."""
+        counts = distributed.all_reduce_sum(self.window_counts, self.ctx)  # the global normaliser: one all-reduce
+        for params, factor in zip(self.loss.param_groups(), self.loss.grad_factors(counts, self.ctx.world_size)):
+            if isinstance(factor, torch.Tensor) or factor != 1.0:
+                torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.cfg.clip_grad)
+        optim.set_hyperparameters(self.optimizer, self.schedule, ni)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ema.update(self.raw_model)
+        self.window_counts.zero_()
+
+    @property
+    def loss_names(self) -> tuple[str, ...]:
+        return tuple(getattr(self.loss.criterion, "one2one", self.loss.criterion).loss_names)
+
+    def _close_mosaic(self) -> None:
+        from yoloaccum.ultra import ultralytics_args
+
+        self.train_set.close_mosaic(hyp=ultralytics_args(self.cfg.replace(mosaic=0.0)))
+        self.loader = self._loader()  # workers hold a copy of the dataset: start them again
+
+    def end_epoch(self, epoch: int, final: bool, images_per_second: float, seconds: float) -> bool:
+        """Validate, log and save on rank 0; returns whether to stop (early stopping or the final epoch)."""
+        stop = final
+        if self.run is not None:
+            if self.cfg.val or final:
+                self.metrics = self.evaluator.evaluate(self.ema.ema, self.loss.criterion)
+            fitness = self.metrics.get("fitness", 0.0)
+            if self.best_fitness is None or fitness > self.best_fitness:
+                self.best_fitness = fitness
+            self.run.results.append(self._row(epoch, seconds, images_per_second))
+            if self.cfg.verbose and self.metrics:
+                self.run.console.print(metrics_table(self.metrics, f"epoch {epoch + 1}/{self.schedule.epochs}"))
+            self.save(epoch, best=fitness == self.best_fitness)
+            stop |= self.stopper(epoch + 1, fitness)
+        return self._agree(stop)
+
+    def _agree(self, stop: bool) -> bool:
+        flag = torch.tensor([float(stop)], device=self.ctx.device)
+        return bool(distributed.all_reduce_sum(flag, self.ctx).item())  # every rank stops together
+
+    def _row(self, epoch: int, seconds: float, images_per_second: float) -> dict[str, float]:
+        s = self.schedule
+        row: dict[str, float] = {"epoch": epoch + 1, "time": round(seconds, 3)}
+        row.update({f"train/{n}": v for n, v in zip(self.loss_names, self.train_losses)})
+        row.update(self.metrics)
+        row.pop("fitness", None)
+        row.update({f"lr/pg{i}": g["lr"] for i, g in enumerate(self.optimizer.param_groups)})
+        row.update(zip(EXTRA_COLUMNS, (s.accumulate, s.effective_batch, s.weight_decay, images_per_second)))
+        return row
+
+    def save(self, epoch: int, best: bool) -> None:
+        """last.pt every epoch (and best.pt when fitness improved), in Ultralytics' layout."""
+        if not self.cfg.save:
+            return
+        ckpt = self.checkpoint(epoch)
+        w = self.run.weights
+        checkpoint.save_atomic(ckpt, w / "last.pt")
+        if best:
+            checkpoint.save_atomic(ckpt, w / "best.pt")
+        if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
+            checkpoint.save_atomic(ckpt, w / f"epoch{epoch + 1}.pt")
+
+    def checkpoint(self, epoch: int) -> dict[str, Any]:
+        from yoloaccum.ultra import VERSION, ultralytics_args
+
+        self.ema.update_attr(self.raw_model, include=["yaml", "nc", "args", "names", "stride"])
+        return {
+            "epoch": epoch,
+            "best_fitness": self.best_fitness,
+            "model": None,
+            "ema": checkpoint.ultralytics_model(self.ema.ema),
+            "updates": self.ema.updates,
+            "optimizer": None,  # kept in full precision under "yoloaccum" for an exact resume
+            "train_args": vars(ultralytics_args(self.cfg)),
+            "train_metrics": dict(self.metrics),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "version": VERSION,
+            "license": "AGPL-3.0",
+            "yoloaccum": {
+                "config": dict(self.cfg),
+                "epoch": epoch,
+                "model": self.raw_model.state_dict(),
+                "ema": self.ema.ema.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "stopper": {"best_fitness": self.stopper.best_fitness, "best_epoch": self.stopper.best_epoch},
+            },
+        }
+
+
+def run(args: list[str]) -> dict[str, float]:
+    """`yoloaccum train ...`: resolve the config, train, and print where the weights are."""
+    cfg = resolve(args)
+    if cfg.data is None:
+        raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
+    trainer = Trainer(cfg)
+    try:
+        metrics = trainer.train()
+        if trainer.run is not None:
+            trainer.run.finish(trainer.evaluator, trainer.cfg)
+        return metrics
+    finally:
+        distributed.cleanup()

@@ -1,0 +1,105 @@
+"""Validation with Ultralytics' own metric code (DetectionValidator's NMS, matching and mAP), driven by our loop.
+
+The loop is ours so that it can also return the val losses from the training criterion and run on the live EMA model;
+the numbers are Ultralytics', and a test checks they agree with its standalone validator on the same weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from yoloaccum import checkpoint, config, data
+from yoloaccum.config import Config
+from yoloaccum.data import DatasetSpec
+from yoloaccum.errors import UserError
+from yoloaccum.ultra import ultralytics_args
+
+METRIC_KEYS = ("metrics/precision(B)", "metrics/recall(B)", "metrics/mAP50(B)", "metrics/mAP50-95(B)")
+
+
+class Evaluator:
+    """Validates a model on one split; `evaluate(model, criterion)` returns Ultralytics' metric dict (+ val losses)."""
+
+    def __init__(self, cfg: Config, spec: DatasetSpec, save_dir: Path, batch: int, device: torch.device):
+        from ultralytics.models.yolo.detect import DetectionValidator
+
+        args = ultralytics_args(cfg, mode="val", batch=batch, conf=cfg.conf or 0.001, data=str(spec.yaml_file),
+                                workers=0 if device.type == "cpu" else cfg.workers)  # fmt: skip
+        self.validator = v = DetectionValidator(save_dir=save_dir, args=args)
+        v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
+        v.device, v.stride, v.training = device, 32, True  # training=True: metrics only, no plots or JSON
+        paths = v.data[cfg.split]
+        v.dataloader = v.get_dataloader(paths if len(paths) > 1 else paths[0], batch)
+        if len(v.dataloader.dataset) == 0:
+            raise UserError(f"{spec.yaml_file}: the {cfg.split} split has no usable images")
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, criterion=None) -> dict[str, float]:
+        """Metrics of `model` (eval mode, fp32); val losses too when the training criterion is given."""
+        v = self.validator
+        was_training = model.training
+        model.eval()
+        model.end2end = v.args.nms is False  # as Ultralytics' validator: NMS on the one-to-many head unless nms=False
+        v.init_metrics(model)
+        losses = None
+        for batch in v.dataloader:
+            batch = v.preprocess(batch)
+            preds = model(batch["img"])
+            if criterion is not None:
+                items = torch.stack(list(criterion(preds, batch)[1].values()))
+                losses = items if losses is None else losses + items
+            v.update_metrics(v.postprocess(preds), batch)
+        stats = v.get_stats()
+        model.train(was_training)
+        out = {k: float(stats[k]) for k in (*METRIC_KEYS, "fitness")}
+        if losses is not None:
+            names = getattr(criterion, "one2one", criterion).loss_names
+            out.update({f"val/{n}": x / len(v.dataloader) for n, x in zip(names, losses.tolist())})
+        return out
+
+    def class_table(self) -> Table:
+        """Per-class precision, recall and mAP of the last evaluation."""
+        v = self.validator
+        table = Table(title="per class", title_justify="left")
+        for col in ("class", "images", "instances", "P", "R", "mAP50", "mAP50-95"):
+            table.add_column(col, justify="left" if col == "class" else "right")
+        for i, c in enumerate(v.metrics.ap_class_index):
+            p, r, m50, m = v.metrics.class_result(i)
+            table.add_row(v.names[c], str(v.metrics.nt_per_image[c]), str(v.metrics.nt_per_class[c]),
+                          f"{p:.3f}", f"{r:.3f}", f"{m50:.3f}", f"{m:.3f}")  # fmt: skip
+        return table
+
+
+def metrics_table(metrics: dict[str, float], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for k in metrics:
+        table.add_column(k.split("/")[-1].replace("(B)", ""), justify="right")
+    table.add_row(*(f"{v:.4g}" for v in metrics.values()))
+    return table
+
+
+def run(args: list[str]) -> dict[str, Any]:
+    """`yoloaccum val model=best.pt data=...`: print and return the metrics of a checkpoint."""
+    cfg = config.resolve(args)
+    if not str(cfg.model).endswith(".pt"):
+        raise UserError("val needs trained weights: give model=path/to/best.pt")
+    ckpt = checkpoint.load(cfg.model, cfg.trust_weights)
+    if cfg.data is None:
+        raise UserError("val needs a dataset: give data=dataset.yaml")
+    spec = data.load_spec(cfg.data, cfg.split)
+    model = checkpoint.model_of(ckpt)
+    if len(model.names) != spec.nc:
+        raise UserError(f"{cfg.model} predicts {len(model.names)} classes but {cfg.data} has {spec.nc}")
+    device = torch.device("cpu") if not torch.cuda.is_available() or cfg.device in (None, "", "cpu") else (
+        torch.device(f"cuda:{str(cfg.device).split(',')[0]}"))  # fmt: skip
+    evaluator = Evaluator(cfg, spec, Path(cfg.model).parent, cfg.batch, device)
+    metrics = evaluator.evaluate(model.to(device))
+    console = Console()
+    console.print(metrics_table(metrics, f"{cfg.model} on {spec.yaml_file.name} ({cfg.split})"))
+    console.print(evaluator.class_table())
+    return metrics
