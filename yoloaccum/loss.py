@@ -51,8 +51,8 @@ class WindowLoss:
     """The model's own Ultralytics criterion, driven per micro-batch and normalised per window.
 
     Per micro-batch, `__call__` returns the loss to back-propagate, the detached loss items for logging, and a
-    count vector [images, T_0, T_1, ...] to be summed over the window (and over ranks). After the window,
-    `grad_factors(window_counts, world)` gives one gradient factor per parameter group of `param_groups()`.
+    count vector [images, T_0, T_1, ...] to be summed over the window (and over ranks). After the window's last
+    backward, `normalise_gradients(window_counts, world)` rescales the accumulated gradients once.
 
     YOLO26's end-to-end loss has two branches with different T (one-to-many and one-to-one). The one-to-one head sees
     detached features, so the branches train disjoint parameters and each parameter is rescaled by its own branch.
@@ -101,16 +101,21 @@ class WindowLoss:
         counts = torch.stack([ts[0].new_tensor(float(num_images)), *ts])
         return loss, torch.stack(list(items.values())), counts
 
-    def grad_factors(self, window_counts: torch.Tensor, world: int) -> list[torch.Tensor | float]:
-        """Per-branch gradient factors for the end of a window.
+    def normalise_gradients(self, window_counts: torch.Tensor, world: int) -> None:
+        """Rescale the window's accumulated gradients in place, once, before unscale, clip and step.
 
-        window_counts is the sum of the micro-batches' count vectors over the window and over all ranks. DDP
-        averages gradients over ranks, so `world` restores the sum over images.
+        window_counts is the sum of the micro-batches' count vectors over the window and over all ranks. With
+        norm=window each branch's parameters are multiplied by images / max(T, 1) of the whole window. DDP averages
+        gradients over ranks, so `world` restores the sum over images in both modes.
         """
-        if self.norm == "micro":
-            return [float(world)] * len(self.branches)
-        images = window_counts[0]
-        return [world * images / window_counts[1 + j].clamp(min=1) for j in range(len(self.branches))]
+        for j, params in enumerate(self._param_groups):
+            if self.norm == "micro":
+                if world == 1:
+                    continue  # exactly Ultralytics: nothing to do
+                factor = float(world)
+            else:
+                factor = world * window_counts[0] / window_counts[1 + j].clamp(min=1)  # stays on the device
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
 
     def end_epoch(self) -> None:
         """E2ELoss decays its one-to-many gain once per epoch, as Ultralytics' trainer does."""

@@ -112,9 +112,7 @@ class Trainer:
     def step(self, ni: int) -> None:
         """End a window, exactly once each: normalise, unscale, clip, optimizer step, zero_grad, EMA update."""
         counts = distributed.all_reduce_sum(self.window_counts, self.ctx)  # the global normaliser: one all-reduce
-        for params, factor in zip(self.loss.param_groups(), self.loss.grad_factors(counts, self.ctx.world_size)):
-            if isinstance(factor, torch.Tensor) or factor != 1.0:
-                torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+        self.loss.normalise_gradients(counts, self.ctx.world_size)
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.cfg.clip_grad)
         optim.set_hyperparameters(self.optimizer, self.schedule, ni)

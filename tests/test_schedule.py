@@ -1,0 +1,141 @@
+"""The schedule's arithmetic against hand-computed cases and an independent copy of Ultralytics' step rule."""
+
+import math
+
+import numpy as np
+import pytest
+
+from yoloaccum import config, schedule
+from yoloaccum.errors import UserError
+
+
+def build(num_images=512, world=1, nc=80, **overrides):
+    return schedule.build(config.resolve(overrides=overrides), num_images, world, nc)
+
+
+@pytest.mark.parametrize(
+    ("batch", "nbs", "accumulate", "wd_factor"),
+    [(16, 64, 4, 1.0), (8, 64, 8, 1.0), (48, 64, 1, 0.75), (128, 64, 1, 2.0)],
+)
+def test_accumulate_and_weight_decay(batch, nbs, accumulate, wd_factor):
+    s = build(batch=batch, nbs=nbs)
+    assert s.accumulate == accumulate
+    assert s.effective_batch == batch * accumulate
+    assert s.weight_decay == pytest.approx(0.0005 * wd_factor)
+
+
+def test_global_batch_over_four_devices():
+    s = build(world=4, batch=16, nbs=128)
+    assert (s.micro_batch, s.accumulate, s.effective_batch) == (4, 8, 128)
+
+
+def test_batch_must_divide_over_devices():
+    with pytest.raises(UserError, match="does not divide over 4 devices"):
+        build(world=4, batch=6)
+
+
+def test_accumulate_is_capped_by_the_run_length():
+    s = build(num_images=16, batch=8, nbs=64, epochs=2)  # 2 batches x 2 epochs
+    assert s.accumulate == 4
+    assert s.weight_decay == pytest.approx(0.0005)  # scaled before the cap, as Ultralytics
+
+
+def test_warmup_iterations():
+    assert build(num_images=512, batch=8, epochs=10, warmup_epochs=3).warmup_iterations == 192
+    assert build(epochs=1, warmup_epochs=3).warmup_iterations == 0  # leaves the final epoch for training
+    assert build(warmup_epochs=0).warmup_iterations == 0
+    assert build(num_images=100, batch=8, epochs=10, warmup_epochs=0.5).warmup_iterations == round(0.5 * 13)
+
+
+def test_ramp_end_points_and_monotonic():
+    s = build(batch=8, nbs=64, epochs=10, warmup_epochs=3)
+    nw = s.warmup_iterations
+    assert s.accumulate_at(0) == 1
+    assert s.accumulate_at(nw) == s.accumulate == 8
+    assert s.accumulate_at(nw + 1) == 8
+    ramp = [s.accumulate_at(ni) for ni in range(nw + 1)]
+    assert ramp == sorted(ramp)
+
+
+def test_lr_and_momentum_warmup():
+    s = build(batch=8, nbs=64, epochs=10, optimizer="SGD", lr0=0.01, lrf=0.01, warmup_bias_lr=0.1)
+    nw = s.warmup_iterations
+    assert s.lr_at(0, 0.01, bias=False) == 0.0
+    assert s.lr_at(0, 0.01, bias=True) == pytest.approx(0.1)
+    epoch = nw // s.batches_per_epoch
+    assert s.lr_at(nw, 0.01, bias=True) == pytest.approx(0.01 * s.lf(epoch))
+    assert s.momentum_at(0) == pytest.approx(0.8)
+    assert s.momentum_at(nw) == pytest.approx(0.937)
+    last = s.total_iterations - 1
+    assert s.lr_at(last, 0.01, bias=False) == pytest.approx(0.01 * (max(1 - 9 / 10, 0) * 0.99 + 0.01))
+
+
+def test_cosine_lr_factor():
+    s = build(cos_lr=True, lrf=0.1, epochs=10)
+    assert s.lf(0) == pytest.approx(1.0)
+    assert s.lf(10) == pytest.approx(0.1)
+    assert s.lf(5) == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize(("num_images", "nc", "expected"), [(512, 80, ("AdamW", 0.000119)), (10**6, 4, ("MuSGD", 0.01))])
+def test_optimizer_auto(num_images, nc, expected):
+    s = build(num_images=num_images, nc=nc, optimizer="auto", batch=16, nbs=64, epochs=100)
+    assert (s.optimizer, s.lr0) == expected
+    assert s.momentum == 0.9 and s.warmup_bias_lr == 0.0
+
+
+def test_step_remainder_windows_never_span_epochs():
+    # 10 batches per epoch, accumulate 4: windows [0-3] [4-7] [8-9]; nothing dropped, short last window steps.
+    s = build(num_images=80, batch=8, nbs=32, epochs=3, warmup_epochs=0, remainder="step")
+    assert s.batches_per_epoch == 10 and s.accumulate == 4
+    for epoch in range(3):
+        assert s.window_ends(epoch) == (3, 7, 9)
+    assert s.total_steps == 9
+    assert s.steps_after(29)  # the very last micro-batch of the run always steps
+
+
+def test_step_remainder_with_warmup_ramp():
+    s = build(num_images=80, batch=8, nbs=32, epochs=3, warmup_epochs=1, remainder="step")
+    nb = s.batches_per_epoch
+    for epoch in range(s.epochs):
+        ends, start = s.window_ends(epoch), 0
+        for end in ends:  # each window holds accumulate(first ni) micro-batches, or fewer at the epoch's end
+            assert end - start + 1 == min(s.accumulate_at(epoch * nb + start), nb - start)
+            start = end + 1
+        assert ends[-1] == nb - 1
+
+
+def naive_ultralytics_steps(nb, epochs, nbs, batch, warmup_epochs):
+    """Ultralytics 8.4's loop, restated deliberately naively: step when ni - last_opt_step >= accumulate."""
+    acc0 = max(round(nbs / batch), 1)
+    acc0 = min(acc0, nb * epochs)
+    we = min(warmup_epochs, max(epochs - 1, 0))
+    nw = round(we * nb) if warmup_epochs > 0 else 0
+    steps, last_opt_step, accumulate = [], -1, acc0
+    for epoch in range(epochs):
+        for i in range(nb):
+            ni = i + nb * epoch
+            if nw and ni <= nw:
+                accumulate = max(1, int(np.interp(ni, [0, nw], [1, acc0]).round()))
+            if ni - last_opt_step >= accumulate:
+                steps.append(ni)
+                last_opt_step = ni
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("num_images", "batch", "nbs", "epochs", "warmup"),
+    [(80, 8, 32, 3, 0), (80, 8, 32, 3, 1), (1000, 16, 64, 5, 3), (37, 4, 64, 4, 2.5), (500, 8, 48, 2, 0.3)],
+)
+def test_carry_matches_ultralytics_rule(num_images, batch, nbs, epochs, warmup):
+    s = build(num_images=num_images, batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=warmup, remainder="carry")
+    nb = math.ceil(num_images / batch)
+    ours = [ni for ni in range(s.total_iterations) if s.steps_after(ni)]
+    assert ours == naive_ultralytics_steps(nb, epochs, nbs, batch, warmup)
+
+
+def test_carry_drops_the_last_epochs_tail_and_step_does_not():
+    kw = dict(num_images=80, batch=8, nbs=32, epochs=3, warmup_epochs=0)
+    carry, step = build(remainder="carry", **kw), build(remainder="step", **kw)
+    assert not carry.steps_after(carry.total_iterations - 1)  # 30 batches, steps at 3, 7, ..., 27: 28-29 dropped
+    assert step.steps_after(step.total_iterations - 1)
