@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config, model as model_
+from yoloaccum import config
+from yoloaccum import model as model_
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
 

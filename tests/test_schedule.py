@@ -77,7 +77,9 @@ def test_cosine_lr_factor():
     assert s.lf(5) == pytest.approx(0.55)
 
 
-@pytest.mark.parametrize(("num_images", "nc", "expected"), [(512, 80, ("AdamW", 0.000119)), (10**6, 4, ("MuSGD", 0.01))])
+@pytest.mark.parametrize(
+    ("num_images", "nc", "expected"), [(512, 80, ("AdamW", 0.000119)), (10**6, 4, ("MuSGD", 0.01))]
+)
 def test_optimizer_auto(num_images, nc, expected):
     s = build(num_images=num_images, nc=nc, optimizer="auto", batch=16, nbs=64, epochs=100)
     assert (s.optimizer, s.lr0) == expected

@@ -26,7 +26,6 @@ app = typer.Typer(
     help="Gradient-accumulating trainer for YOLO detectors. Arguments are key=value, as in Ultralytics.",
 )
 ARGS = Annotated[list[str] | None, typer.Argument(help="key=value settings, e.g. data=coco.yaml batch=8 nbs=64")]
-_state = {"verbose": False}
 
 
 def _version(value: bool) -> None:
@@ -37,12 +36,12 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks for errors.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks for errors (anywhere).")] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
-    _state["verbose"] = verbose
+    """Gradient-accumulating trainer for YOLO detectors. --verbose is read in run(), wherever it appears."""
 
 
 @app.command()
@@ -139,10 +138,13 @@ def _pop(args: list[str], key: str) -> str | None:
 
 def run() -> None:
     """Console-script entry point."""
+    # --verbose may come anywhere, also after the command's key=value arguments.
+    verbose = any(a in {"--verbose", "-v"} for a in sys.argv[1:])
+    args = [a for a in sys.argv[1:] if a not in {"--verbose", "-v"}]
     try:
-        app(standalone_mode=True)
+        app(args=args, prog_name="yoloaccum", standalone_mode=True)
     except UserError as e:
-        if _state["verbose"] or os.environ.get("YOLOACCUM_DEBUG") == "1" or "--verbose" in sys.argv:
+        if verbose or os.environ.get("YOLOACCUM_DEBUG") == "1":
             raise
         Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {e}", soft_wrap=True)
         sys.exit(2)

@@ -154,6 +154,8 @@ def load_recipe(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(values, dict):
         raise UserError(f"{path} must be a mapping of key: value lines")
     ours, ultra = schema(), ultralytics_defaults()
+    # An empty value (`model:` in a copy of Ultralytics' default.yaml) means "not set", not "set to nothing".
+    values = {k: v for k, v in values.items() if v is not None or k not in ours or ours[k].default is None}
     ignored = [k for k, v in values.items() if k not in ours and k in ultra and v != ultra[k] and k != "cfg"]
     kept = {k: v for k, v in values.items() if k in ours or k not in ultra}
     return _check_keys(kept, f"key in {path}"), ignored
@@ -165,6 +167,8 @@ def load_yaml(path: Path) -> Any:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
+        if mark is not None and mark.line >= len(path.read_text().rstrip("\n").splitlines()):
+            mark = getattr(e, "context_mark", None) or mark  # hit the end of the file: name where the open item began
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise UserError(f"{where}: malformed YAML ({getattr(e, 'problem', None) or e}); fix the syntax there") from e
 
@@ -207,6 +211,8 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
     keys = schema()
     for k, v in values.items():
         spec = keys[k]
+        if k == "device" and isinstance(v, (int, list)) and not isinstance(v, bool):
+            v = values[k] = ",".join(map(str, v)) if isinstance(v, list) else str(v)  # recipes write device: 0
         if v is None and spec.default is None:
             continue
         if isinstance(v, int) and not isinstance(v, bool) and float in spec.types and int not in spec.types:

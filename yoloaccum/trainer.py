@@ -1,7 +1,7 @@
-"""The training engine: micro-batches forward and backward, gradients summed over a window, one optimizer step.
+"""The trainer: builds a run (data, model, engine), then each epoch trains, validates, logs and saves.
 
-Reading order: Trainer.train() runs epochs; train_epoch() runs micro-steps and, at each window end, step().
-Everything about *when* comes from the schedule; everything about the loss normaliser from loss.WindowLoss.
+The accumulation loop itself is engine.Engine; *when* to step comes from schedule, the loss normaliser from
+loss.WindowLoss. Rank 0 alone validates, logs and writes; every rank trains.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from yoloaccum import checkpoint, data, distributed, loss, optim
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, resolve
+from yoloaccum.engine import Engine
 from yoloaccum.errors import UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
 from yoloaccum.runs import RunDir, seed_everything
@@ -22,11 +23,9 @@ from yoloaccum.validate import Evaluator, metrics_table
 
 
 class Trainer:
-    """Trains cfg.model on cfg.data with gradient accumulation; rank 0 validates, logs and saves.
+    """Trains cfg.model on cfg.data with gradient accumulation (see Engine for the step contract).
 
-    Contract: the optimizer steps exactly after the schedule's window ends; unscale, clip, step, zero_grad and the
-    EMA update happen once per step, in that order; with norm=window a window's gradient equals that of one batch
-    made of all its images.
+    Outputs, on rank 0 under project/name: args.yaml, results.csv, results.png, weights/last.pt and best.pt.
     """
 
     def __init__(self, cfg: Config):
@@ -41,16 +40,25 @@ class Trainer:
         self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
         self.loader = self._loader()
         self.raw_model = model_.build(cfg, self.spec, verbose=False).to(self.ctx.device)
-        self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
+        ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
-        self.model = distributed.wrap(self.raw_model, self.ctx, cfg.bn)
-        self.optimizer = optim.build_optimizer(self.raw_model, self.schedule)
-        self.amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp)
+        amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
+        self.engine = Engine(
+            model=distributed.wrap(self.raw_model, self.ctx, cfg.bn),
+            raw_model=self.raw_model,
+            loss=self.loss,
+            optimizer=optim.build_optimizer(self.raw_model, self.schedule),
+            schedule=self.schedule,
+            ctx=self.ctx,
+            clip_grad=cfg.clip_grad,
+            scaler=torch.amp.GradScaler("cuda", enabled=amp),
+            ema=ema,
+            amp=amp,
+        )
+        self.ema, self.optimizer = ema, self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
         self.evaluator = Evaluator(cfg, self.spec, self.run.path, cfg.batch * 2, self.ctx.device) if self.run else None
-        self.window_counts = torch.zeros(1 + len(self.loss.branches), device=self.ctx.device)
-        self.start_epoch, self.best_fitness, self.metrics = 0, None, {}
+        self.start_epoch, self.best_fitness, self.metrics, self.mosaic_closed = 0, None, {}, False
 
     def _loader(self):
         s = self.schedule
@@ -63,7 +71,7 @@ class Trainer:
             self.run.announce(s, len(self.train_set), self.ctx)
         for epoch in range(self.start_epoch, s.epochs):
             t0 = time.perf_counter()
-            if cfg.close_mosaic and epoch == max(s.epochs - cfg.close_mosaic, 0) and cfg.mosaic > 0:
+            if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
                 self._close_mosaic()
             images_per_second = self.train_epoch(epoch)
             self.loss.end_epoch()
@@ -75,52 +83,23 @@ class Trainer:
         return self.metrics
 
     def train_epoch(self, epoch: int) -> float:
-        """One pass over the data: a micro-step per batch and an optimizer step at each window end."""
-        s, nb = self.schedule, self.schedule.batches_per_epoch
+        """One pass over the data through the engine; returns images per second over all devices."""
+        s = self.schedule
         self.loader.batch_sampler.set_epoch(epoch)
-        self.model.train()
-        model_.set_bn_mode(self.model, self.cfg.bn)
-        progress = EpochProgress(epoch, s.epochs, nb, self.loss_names, self.cfg.log_every, self.ctx.device,
-                                 enabled=self.run is not None)  # fmt: skip
-        window_start = 0
-        for i, batch in enumerate(self.loader):
-            ni = epoch * nb + i
-            last_in_window = s.steps_after(ni)
-            # DDP all-reduces gradients in backward(); skip that on all but the window's last micro-batch.
-            with distributed.no_sync(self.model, skip=not last_in_window):
-                items = self.micro_step(batch)
-            if last_in_window:
-                self.step(ni)
-            progress.update(i, items, batch["img"].shape[0], i - window_start + 1, s.accumulate_at(ni),
-                            s.batch * s.accumulate_at(ni), self.optimizer.param_groups[0]["lr"])  # fmt: skip
-            if last_in_window:
-                window_start = i + 1
-        progress.close()
-        self.train_losses = progress.mean_losses(nb)
+        self.engine.model.train()
+        model_.set_bn_mode(self.engine.model, self.cfg.bn)
+        progress = EpochProgress(epoch, s.epochs, s.batches_per_epoch, self.loss_names, self.cfg.log_every,
+                                 self.ctx.device, enabled=self.run is not None)  # fmt: skip
+
+        def on_micro_step(i, items, images, fill, accumulate, lr):
+            progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
+
+        try:
+            self.engine.train_epoch(epoch, self.loader, on_micro_step)
+        finally:
+            progress.close()
+        self.train_losses = progress.mean_losses(s.batches_per_epoch)
         return progress.images_per_second() * self.ctx.world_size
-
-    def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Forward and backward one micro-batch; each backward() adds into .grad."""
-        batch["img"] = batch["img"].to(self.ctx.device, non_blocking=True).float() / 255
-        with torch.autocast(self.ctx.device.type, enabled=self.amp):
-            preds = self.model(batch["img"])
-            loss, items, counts = self.loss(preds, batch)
-        self.window_counts += counts  # images and target-score sums of the window, kept on the device
-        self.scaler.scale(loss).backward()
-        return items
-
-    def step(self, ni: int) -> None:
-        """End a window, exactly once each: normalise, unscale, clip, optimizer step, zero_grad, EMA update."""
-        counts = distributed.all_reduce_sum(self.window_counts, self.ctx)  # the global normaliser: one all-reduce
-        self.loss.normalise_gradients(counts, self.ctx.world_size)
-        self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.cfg.clip_grad)
-        optim.set_hyperparameters(self.optimizer, self.schedule, ni)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.ema.update(self.raw_model)
-        self.window_counts.zero_()
 
     @property
     def loss_names(self) -> tuple[str, ...]:
@@ -129,8 +108,9 @@ class Trainer:
     def _close_mosaic(self) -> None:
         from yoloaccum.ultra import ultralytics_args
 
-        self.train_set.close_mosaic(hyp=ultralytics_args(self.cfg.replace(mosaic=0.0)))
+        self.train_set.close_mosaic(hyp=ultralytics_args(self.cfg))  # sets mosaic, mixup, cutmix to 0
         self.loader = self._loader()  # workers hold a copy of the dataset: start them again
+        self.mosaic_closed = True
 
     def end_epoch(self, epoch: int, final: bool, images_per_second: float, seconds: float) -> bool:
         """Validate, log and save on rank 0; returns whether to stop (early stopping or the final epoch)."""
@@ -196,7 +176,7 @@ class Trainer:
                 "model": self.raw_model.state_dict(),
                 "ema": self.ema.ema.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(),
+                "scaler": self.engine.scaler.state_dict(),
                 "stopper": {"best_fitness": self.stopper.best_fitness, "best_epoch": self.stopper.best_epoch},
             },
         }

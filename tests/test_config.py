@@ -1,0 +1,132 @@
+"""Unit tests for yoloaccum.config: precedence, typing, validation, immutability and Ultralytics recipes."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from yoloaccum import config
+from yoloaccum.errors import UserError
+
+
+def _recipe(tmp_path: Path, text: str, name: str = "recipe.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return f"cfg={path}"
+
+
+def test_defaults_are_default_yaml() -> None:
+    cfg = config.resolve([])
+    assert dict(cfg) == {k.name: k.default for k in config.schema().values()}
+    assert cfg.ignored == ()
+
+
+def test_precedence_default_then_recipe_then_command_line(tmp_path: Path) -> None:
+    cfg = config.resolve([_recipe(tmp_path, "batch: 8\nnbs: 128\n"), "batch=4"])
+    assert (cfg.batch, cfg.nbs) == (4, 128)  # command line beats the recipe, which beats default.yaml
+    assert cfg.epochs == config.schema()["epochs"].default
+
+
+def test_command_line_wins_wherever_cfg_appears(tmp_path: Path) -> None:
+    assert config.resolve(["batch=4", _recipe(tmp_path, "batch: 8\n")]).batch == 4
+
+
+@pytest.mark.parametrize(
+    ("arg", "key", "expected"),
+    [
+        ("batch=8", "batch", 8),
+        ("lr0=1", "lr0", 1.0),
+        ("amp=false", "amp", False),
+        ("amp=True", "amp", True),
+        ("device=", "device", None),
+        ("device=0", "device", "0"),
+        ("device=0,1", "device", "0,1"),
+        ("pretrained=path.pt", "pretrained", "path.pt"),
+        ("pretrained=False", "pretrained", False),
+        ("cache=ram", "cache", "ram"),
+        ("conf=", "conf", None),
+    ],
+)
+def test_command_line_values_are_typed(arg: str, key: str, expected: object) -> None:
+    value = config.resolve([arg])[key]
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_yaml_int_becomes_float_for_a_float_key(tmp_path: Path) -> None:
+    cfg = config.resolve([_recipe(tmp_path, "lr0: 1\nwarmup_epochs: 3\n")])
+    assert (cfg.lr0, cfg.warmup_epochs) == (1.0, 3.0)
+    assert type(cfg.lr0) is float and type(cfg.warmup_epochs) is float
+
+
+def test_recipe_device_number_is_text(tmp_path: Path) -> None:
+    assert config.resolve([_recipe(tmp_path, "device: 0\n")]).device == "0"
+
+
+def test_config_is_immutable() -> None:
+    cfg = config.resolve([])
+    with pytest.raises(AttributeError, match="immutable"):
+        cfg.batch = 4
+    with pytest.raises(TypeError):
+        cfg["batch"] = 4  # type: ignore[index]
+    assert cfg.batch == 16
+
+
+def test_replace_returns_a_validated_copy() -> None:
+    cfg = config.resolve([])
+    smaller = cfg.replace(batch=4)
+    assert (smaller.batch, cfg.batch) == (4, 16)
+    with pytest.raises(UserError, match="batch=0 must be greater than 0"):
+        cfg.replace(batch=0)
+    with pytest.raises(UserError, match="did you mean 'batch'"):
+        cfg.replace(bacth=4)
+    with pytest.raises(UserError, match="nbs"):
+        cfg.replace(accumulate=4)
+
+
+def test_imgsz_must_be_a_multiple_of_32() -> None:
+    with pytest.raises(UserError, match="multiple of 32.*imgsz=96"):
+        config.resolve(["imgsz=100"])
+
+
+def test_choices_are_enforced() -> None:
+    with pytest.raises(UserError, match="norm=bogus is not one of window, micro"):
+        config.resolve(["norm=bogus"])
+
+
+def test_argument_without_equals_sign() -> None:
+    with pytest.raises(UserError, match="not key=value"):
+        config.resolve(["batch"])
+
+
+def test_unknown_key_in_a_recipe_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"recipe\.yaml 'bacth'; did you mean 'batch'"):
+        config.resolve([_recipe(tmp_path, "bacth: 8\n")])
+
+
+def test_to_yaml_round_trips() -> None:
+    cfg = config.resolve(["batch=8", "device=0"])
+    assert yaml.safe_load(cfg.to_yaml()) == dict(cfg)
+
+
+ULTRALYTICS_AT_DEFAULTS = "task: detect\nmode: train\nrect: False\noverlap_mask: True\nbatch: 8\nnbs: 64\n"
+
+
+def test_ultralytics_keys_at_their_defaults_are_dropped_silently(tmp_path: Path) -> None:
+    cfg = config.resolve([_recipe(tmp_path, ULTRALYTICS_AT_DEFAULTS)])
+    assert cfg.ignored == ()
+    assert dict(cfg) == dict(config.resolve(["batch=8"]))
+    assert "task" not in cfg and "rect" not in cfg
+
+
+def test_ultralytics_keys_that_change_something_are_reported(tmp_path: Path) -> None:
+    cfg = config.resolve([_recipe(tmp_path, ULTRALYTICS_AT_DEFAULTS + "rect: True\nmode: val\n")])
+    assert sorted(cfg.ignored) == ["mode", "rect"]
+    assert cfg.batch == 8
+
+
+def test_ultralytics_default_yaml_loads_as_a_recipe(tmp_path: Path) -> None:
+    ultra = config.ultralytics_defaults()
+    cfg = config.resolve([_recipe(tmp_path, yaml.safe_dump(ultra))])
+    assert cfg.ignored == ()
+    assert cfg.batch == ultra["batch"] and cfg.nbs == ultra["nbs"]

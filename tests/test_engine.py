@@ -1,0 +1,163 @@
+"""The accumulation loop (engine.Engine) on a BatchNorm-free toy model: when it steps, and what each step does.
+
+The toy loss follows the WindowLoss protocol with a mean loss times the micro-batch size, as Ultralytics' loss is,
+so the accumulated gradient is a sum over images.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from yoloaccum import config, distributed, optim, schedule
+from yoloaccum.engine import Engine
+
+CPU = distributed.Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+class MeanLoss:
+    """Mean squared error x images: the WindowLoss protocol with nothing to normalise at the window's end."""
+
+    def __init__(self, model: nn.Module):
+        self.params = [list(model.parameters())]
+
+    def __call__(self, preds, batch):
+        loss = ((preds - batch["target"]) ** 2).mean() * preds.shape[0]
+        return loss, loss.detach().view(1), torch.tensor([float(preds.shape[0])])
+
+    def param_groups(self):
+        return self.params
+
+    def normalise_gradients(self, counts, world):
+        pass
+
+
+def toy_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def toy_batches(num_images: int, micro: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(num_images, 6, generator=g), torch.randn(num_images, 2, generator=g)
+    return [{"img": x[i : i + micro], "target": y[i : i + micro]} for i in range(0, num_images, micro)]
+
+
+def make_engine(model, num_images, batch, nbs, epochs=1, warmup_epochs=0.0, clip_grad=1e9, **cfg):
+    cfg = config.resolve(
+        overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=warmup_epochs, optimizer="SGD", **cfg)
+    )
+    s = schedule.build(cfg, num_images)
+    return Engine(
+        model=model,
+        raw_model=model,
+        loss=MeanLoss(model),
+        optimizer=optim.build_optimizer(model, s),
+        schedule=s,
+        ctx=CPU,
+        clip_grad=clip_grad,
+        scaler=torch.amp.GradScaler("cuda", enabled=False),
+    )
+
+
+def step_indices(engine: Engine, epoch: int, batches: list[dict]) -> list[int]:
+    """Micro-batch indices after which the optimizer stepped, seen by torch's own hooks."""
+    seen, steps = [0], []
+    engine.model.register_forward_hook(lambda *_: seen.__setitem__(0, seen[0] + 1))
+    engine.optimizer.register_step_post_hook(lambda *_: steps.append(seen[0] - 1))
+    engine.train_epoch(epoch, batches)
+    return steps
+
+
+def test_steps_exactly_at_window_ends_including_the_short_last_window():
+    # 10 micro-batches of 8 (the last one of 4), accumulate 4: windows end after 3, 7 and the short 9.
+    engine = make_engine(toy_model(), num_images=76, batch=8, nbs=32)
+    assert step_indices(engine, 0, toy_batches(76, 8)) == [3, 7, 9] == list(engine.schedule.window_ends(0))
+
+
+def test_steps_follow_the_warmup_ramp():
+    engine = make_engine(toy_model(), num_images=160, batch=8, nbs=64, epochs=3, warmup_epochs=1)
+    batches = toy_batches(160, 8)
+    for epoch in range(3):
+        assert step_indices(engine, epoch, batches) == list(engine.schedule.window_ends(epoch))
+
+
+def test_ema_updates_once_per_step():
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    engine = make_engine(toy_model(), num_images=80, batch=8, nbs=32)
+    engine.ema = ModelEMA(engine.raw_model)
+    engine.train_epoch(0, toy_batches(80, 8))
+    assert engine.ema.updates == engine.schedule.steps_per_epoch(0) == 3
+
+
+def test_clip_once_per_step_on_the_accumulated_gradient(monkeypatch):
+    model = toy_model()
+    reference = copy.deepcopy(model)
+    batches = toy_batches(32, 8)
+    sum(((reference(b["img"]) - b["target"]) ** 2).mean() * 8 for b in batches).backward()
+    window_norm = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm()
+
+    seen = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, max_norm, **kw):  # records, then clips for real
+        parameters = list(parameters)
+        seen.append(torch.cat([p.grad.flatten() for p in parameters]).norm())
+        return real_clip(parameters, max_norm, **kw)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    engine = make_engine(model, num_images=32, batch=8, nbs=32, clip_grad=0.5)
+    engine.train_epoch(0, batches)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], window_norm, rtol=1e-6, atol=0)
+
+
+def test_four_micro_batches_of_8_equal_one_batch_of_32():
+    """The seed's check, through the engine: same gradient, and the same weights after one SGD step."""
+    data = toy_batches(32, 32)[0]
+    small = make_engine(toy_model(), num_images=32, batch=8, nbs=32)
+    big = make_engine(toy_model(), num_images=32, batch=32, nbs=32)
+
+    grads = {}
+    for name, engine, batches in (("small", small, toy_batches(32, 8)), ("big", big, [data])):
+        engine.optimizer.register_step_pre_hook(
+            lambda opt, *_, name=name: grads.__setitem__(
+                name, torch.cat([p.grad.flatten() for p in opt.param_groups[0]["params"]])
+            )
+        )
+        engine.train_epoch(0, batches)
+    # Both are sums over the 32 images; divided by 32 they are the gradient of the batch's mean loss. float32 sums
+    # in another order differ by ~1e-7 there: 1e-6 is above rounding and far below any real difference.
+    assert ((grads["small"] - grads["big"]) / 32).abs().max() <= 1e-6
+    for a, b in zip(small.raw_model.parameters(), big.raw_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_weight_decay_in_the_optimizer_is_the_scheduled_value():
+    from ultralytics.nn.tasks import DetectionModel
+
+    cfg = config.resolve(overrides=dict(batch=48, nbs=64, optimizer="SGD"))
+    s = schedule.build(cfg, 1000)
+    opt = optim.build_optimizer(DetectionModel("yolo11n.yaml", nc=3, verbose=False), s)
+    decays = {g["param_group"]: g["weight_decay"] for g in opt.param_groups}
+    assert decays == {"weight": pytest.approx(s.weight_decay), "bn": 0.0, "bias": 0.0}
+    assert s.weight_decay == pytest.approx(0.0005 * 0.75)
+
+
+def test_learning_rate_and_momentum_at_each_step_come_from_the_schedule():
+    engine = make_engine(toy_model(), num_images=160, batch=8, nbs=32, epochs=2, warmup_epochs=1)
+    seen = []
+    engine.optimizer.register_step_pre_hook(
+        lambda opt, *_: seen.append({g["param_group"]: (g["lr"], g["momentum"]) for g in opt.param_groups})
+    )
+    batches = toy_batches(160, 8)
+    for epoch in range(2):
+        engine.train_epoch(epoch, batches)
+    s, nb = engine.schedule, engine.schedule.batches_per_epoch
+    ends = [epoch * nb + i for epoch in range(2) for i in s.window_ends(epoch)]
+    assert len(seen) == len(ends)
+    for record, ni in zip(seen, ends):
+        assert record["bias"] == pytest.approx((s.lr_at(ni, s.lr0, bias=True), s.momentum_at(ni)))
+        assert record["weight"] == pytest.approx((s.lr_at(ni, s.lr0, bias=False), s.momentum_at(ni)))

@@ -1,0 +1,94 @@
+"""End to end through the CLI: train on a small shapes set (and COCO8 when present), then val, predict, and
+ultralytics.YOLO on the resulting best.pt. Also: our validation agrees with Ultralytics' own validator."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import shapes_yaml
+
+import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
+
+COCO8 = Path(__file__).resolve().parents[2] / "shared/datasets/coco8.yaml"
+OUTPUTS = ("args.yaml", "results.csv", "results.png", "weights/last.pt", "weights/best.pt")
+SMOKE = ("imgsz=64", "batch=4", "nbs=16", "workers=0", "warmup_epochs=1", "close_mosaic=1", "exist_ok=True")
+
+
+@pytest.fixture(scope="module")
+def smoke_data(tmp_path_factory) -> Path:
+    return shapes_yaml(tmp_path_factory.mktemp("data"), num_train=42, num_val=12)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(smoke_data, tmp_path_factory, run_cli) -> Path:
+    project = tmp_path_factory.mktemp("runs")
+    r = run_cli("train", f"data={smoke_data}", "model=yolo26n.yaml", "epochs=2", f"project={project}", "name=smoke",
+                *SMOKE, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return project / "smoke"
+
+
+def read_results(run: Path) -> list[dict[str, str]]:
+    with (run / "results.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_smoke_run_writes_every_output(smoke_run):
+    for name in OUTPUTS:
+        assert (smoke_run / name).is_file(), name
+    args = yaml.safe_load((smoke_run / "args.yaml").read_text())
+    assert (args["batch"], args["nbs"], args["norm"]) == (4, 16, "window")
+
+
+def test_results_csv_has_ultralytics_and_accumulation_columns(smoke_run):
+    rows = read_results(smoke_run)
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    for column in ("train/box_loss", "metrics/mAP50(B)", "metrics/mAP50-95(B)", "val/cls_loss", "lr/pg0"):
+        assert column in rows[0]
+    assert (rows[-1]["accumulate"], rows[-1]["effective_batch"]) == ("4", "16")
+    for key, value in rows[-1].items():
+        assert math.isfinite(float(value)), key
+
+
+def test_best_pt_opens_in_ultralytics_and_predicts(smoke_run):
+    from ultralytics import YOLO
+    from ultralytics.utils import ASSETS
+
+    model = YOLO(smoke_run / "weights/best.pt")
+    assert model.names == {0: "circle", 1: "square", 2: "triangle", 3: "cross"}
+    results = model.predict(ASSETS / "bus.jpg", imgsz=64, conf=0.001, verbose=False)
+    assert results[0].boxes.xyxy.shape[1] == 4
+
+
+def test_val_command_prints_metrics(smoke_run, smoke_data, run_cli):
+    r = run_cli("val", f"model={smoke_run / 'weights/best.pt'}", f"data={smoke_data}", "imgsz=64", "batch=4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mAP50" in r.stdout and "per class" in r.stdout
+
+
+def test_predict_command_draws_and_writes_json(smoke_run, tmp_path, run_cli):
+    from ultralytics.utils import ASSETS
+
+    r = run_cli("predict", f"model={smoke_run / 'weights/best.pt'}", f"source={ASSETS}", "conf=0.001",
+                f"project={tmp_path}", "name=pred")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "pred"
+    assert (out / "bus.jpg").is_file() and (out / "zidane.jpg").is_file()
+    records = json.loads((out / "predictions.json").read_text())
+    assert {Path(r["image"]).name for r in records} == {"bus.jpg", "zidane.jpg"}
+    assert all({"class", "name", "confidence", "box_xyxy"} <= d.keys() for r in records for d in r["detections"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not COCO8.is_file(), reason="COCO8 is not in ../shared/datasets")
+def test_train_on_coco8(tmp_path, run_cli):
+    r = run_cli("train", f"data={COCO8}", "model=yolo11n.yaml", "epochs=1", f"project={tmp_path}", "name=coco8",
+                *SMOKE, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in OUTPUTS:
+        assert (tmp_path / "coco8" / name).is_file(), name
+    rows = read_results(tmp_path / "coco8")
+    assert all(math.isfinite(float(v)) for v in rows[-1].values())
