@@ -54,3 +54,46 @@ def shapes_yaml(folder: Path, num_train: int, num_val: int, imgsz: int = 64, see
     path = folder / "shapes.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+# The exactness runs: yolo26n, no warmup, BatchNorm frozen, augmentation off, workers=0; 42 images, so each epoch
+# ends in a short window. They start from briefly trained weights: a head fresh from initialisation predicts boxes
+# exactly on the pixel grid, where CIoU's min/max meet ties and float32 noise of 1e-7 picks the subgradient (a 1e-2
+# change in a few biases). Shared by the single-process and the torchrun comparisons.
+EXACT = ("model=yolo26n.yaml", "imgsz=64", "epochs=2", "warmup_epochs=0", "bn=frozen", "workers=0", "seed=0",
+         "deterministic=True", "mosaic=0", "fliplr=0", "hsv_h=0", "hsv_s=0", "hsv_v=0", "scale=0", "translate=0",
+         "val=False", "plots=False", "exist_ok=True")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def exact_args(tmp_path_factory) -> tuple[str, ...]:
+    """The shared arguments: the data, EXACT, and a start from one epoch of training."""
+    folder = tmp_path_factory.mktemp("exact")
+    data = shapes_yaml(folder, num_train=42, num_val=8, seed=5)
+    r = _run_cli("train", f"data={data}", f"project={folder}", "name=start", *EXACT, "epochs=1", "batch=16",
+                 "nbs=16", timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return (f"data={data}", *EXACT, f"pretrained={folder / 'start/weights/last.pt'}")
+
+
+@pytest.fixture(scope="session")
+def big_batch_run(exact_args, tmp_path_factory) -> Path:
+    """The reference: one process, batch=16 nbs=16 (no accumulation)."""
+    project = tmp_path_factory.mktemp("big")
+    r = _run_cli("train", f"project={project}", "name=big", *exact_args, "batch=16", "nbs=16", timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return project / "big"
+
+
+def final_weights(run: Path):
+    """The fp32 weights in a run's last.pt, as one flat tensor."""
+    import torch
+
+    ckpt = torch.load(run / "weights/last.pt", map_location="cpu", weights_only=False)
+    state = ckpt["yoloaccum"]["model"]
+    return torch.cat([v.flatten().float() for v in state.values() if v.is_floating_point()])
+
+
+def relative_difference(a, b) -> float:
+    """max|a - b| / max|b|."""
+    return ((a - b).abs().max() / b.abs().max()).item()

@@ -54,8 +54,12 @@ def select_device(device: str | None, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", ids[local_rank % len(ids)] if "LOCAL_RANK" not in os.environ else local_rank)
 
 
-def setup(device: str | None, timeout_s: float = 600) -> Context:
-    """Join torchrun's process group when launched by it (nccl on CUDA, gloo on the CPU)."""
+def setup(device: str | None, timeout_s: float = 1800) -> Context:
+    """Join torchrun's process group when launched by it (nccl on CUDA, gloo on the CPU).
+
+    The timeout bounds a collective that waits for a rank which is still working (rank 0 validating a large set);
+    a rank that dies is noticed by torchrun at once, which then ends the others.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = select_device(device, local_rank)
@@ -99,3 +103,21 @@ def barrier(ctx: Context) -> None:
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def launch(args: list[str], device: str | None) -> int:
+    """`yoloaccum train device=0,1,2,3` outside torchrun: start torchrun with the same arguments, one rank per device.
+
+    torchrun runs `python -m yoloaccum train ...` in each rank; its rendezvous and failure handling are PyTorch's.
+    """
+    import subprocess
+    import sys
+
+    ids = cuda_ids(device)
+    select_device(device)  # fail here, once, if the devices are not there
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    rest = [a for a in args if not a.startswith("device=")] + [f"device={','.join(map(str, range(len(ids))))}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(ids)}",
+           "-m", "yoloaccum", "train", *rest]  # fmt: skip
+    print(f"starting torchrun: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, env=env).returncode

@@ -7,6 +7,8 @@ drive the same code with a toy model.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,10 +42,12 @@ class Engine:
     scaler: torch.amp.GradScaler
     ema: Any = None  # ultralytics ModelEMA, or None
     amp: bool = False
+    no_sync: bool = True  # False all-reduces after every micro-batch, as Ultralytics does (for benchmarks)
     window_counts: torch.Tensor = field(init=False)
 
     def __post_init__(self):
         self.window_counts = torch.zeros(1 + len(self.loss.param_groups()), device=self.ctx.device)
+        self.fault = Fault.from_env(self.ctx.rank)
 
     def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None) -> None:
         """One pass over the epoch's micro-batches: a micro-step each, an optimizer step at each window end."""
@@ -52,7 +56,9 @@ class Engine:
             ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
             # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
-            with distributed.no_sync(self.model, skip=not last_in_window):
+            if self.fault and self.fault.ni == ni:
+                self.fault.trigger(batch)
+            with distributed.no_sync(self.model, skip=self.no_sync and not last_in_window):
                 items = self.micro_step(batch)
             if last_in_window:
                 self.step(ni)
@@ -87,3 +93,32 @@ class Engine:
         if self.ema is not None:
             self.ema.update(self.raw_model)
         self.window_counts.zero_()
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A test hook: YOLOACCUM_FAULT=KIND@NI[:RANK] makes iteration NI fail on RANK (every rank when omitted).
+
+    KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine) or `nan` (a non-finite
+    input, hence a non-finite loss).
+    """
+
+    kind: str
+    ni: int
+
+    @classmethod
+    def from_env(cls, rank: int) -> Fault | None:
+        spec = os.environ.get("YOLOACCUM_FAULT")
+        if not spec:
+            return None
+        kind, _, where = spec.partition("@")
+        ni, _, only_rank = where.partition(":")
+        assert kind in {"raise", "kill", "nan"} and ni.isdigit(), f"YOLOACCUM_FAULT={spec} is not KIND@NI[:RANK]"
+        return cls(kind, int(ni)) if not only_rank or int(only_rank) == rank else None
+
+    def trigger(self, batch: dict[str, Any]) -> None:
+        if self.kind == "raise":
+            raise RuntimeError(f"YOLOACCUM_FAULT: injected failure at iteration {self.ni}")
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        batch["img"] = batch["img"].float() * float("nan")

@@ -6,6 +6,7 @@ loss.WindowLoss. Rank 0 alone validates, logs and writes; every rank trains.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -187,6 +188,8 @@ def run(args: list[str]) -> dict[str, float]:
     cfg = resolve(args)
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
+    if len(distributed.cuda_ids(cfg.device)) > 1 and "WORLD_SIZE" not in os.environ:
+        raise SystemExit(distributed.launch(args, cfg.device))  # several devices: one process each, via torchrun
     trainer = Trainer(cfg)
     try:
         metrics = trainer.train()

@@ -34,9 +34,10 @@ class Evaluator:
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: metrics only, no plots or JSON
         paths = v.data[cfg.split]
-        v.dataloader = v.get_dataloader(paths if len(paths) > 1 else paths[0], batch)
-        if len(v.dataloader.dataset) == 0:
-            raise UserError(f"{spec.yaml_file}: the {cfg.split} split has no usable images")
+        try:
+            v.dataloader = v.get_dataloader(paths if len(paths) > 1 else paths[0], batch)
+        except FileNotFoundError as e:
+            raise UserError(f"{spec.yaml_file}: no images found for {cfg.split} in {', '.join(paths)}") from e
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, criterion=None) -> dict[str, float]:

@@ -1,0 +1,70 @@
+"""Run under torchrun by tests/test_distributed.py: one accumulation window through the real Engine and DDP.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/ddp_window.py OUT.pt BATCH NBS [sync-all]
+
+16 synthetic images (tests/test_equivalence.py's batches) form one window of global micro-batches of BATCH images;
+each rank takes its contiguous slice of each, as yoloaccum's sampler does. Rank 0 saves the gradient seen by the
+optimizer, the weights after the step, and which micro-steps all-reduced gradients (counted by a DDP comm hook).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_equivalence import OBJECTS, concat, grads, make_model, micro_batch  # noqa: E402
+
+from yoloaccum import config, distributed, optim, schedule  # noqa: E402
+from yoloaccum.engine import Engine  # noqa: E402
+from yoloaccum.loss import WindowLoss  # noqa: E402
+
+
+def main(out: str, batch: int, nbs: int, sync_all: bool) -> None:
+    ctx = distributed.setup("cpu")
+    objects = OBJECTS + [[0, 4], [2, 2], [6, 1], [3, 0]]  # 16 images, 0 to 7 objects each
+    images = concat([micro_batch(n, seed) for seed, n in enumerate(objects)])
+    cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=1, warmup_epochs=0, optimizer="SGD", lr0=0.01))
+    s = schedule.build(cfg, num_images=16, world_size=ctx.world_size, nc=3)
+    model = make_model("yolo11n.yaml")
+    loss = WindowLoss(model, "window")
+    ddp = distributed.wrap(model, ctx, "frozen")
+    engine = Engine(ddp, model, loss, optim.build_optimizer(model, s), s, ctx, clip_grad=1e9,
+                    scaler=torch.amp.GradScaler("cuda", enabled=False), no_sync=not sync_all)  # fmt: skip
+
+    forward_passes, communicated = [0], []
+    model.register_forward_hook(lambda *_: forward_passes.__setitem__(0, forward_passes[0] + 1))
+    if ctx.world_size > 1:
+
+        def counting_hook(state, bucket):
+            communicated.append(forward_passes[0])  # the micro-step whose backward all-reduces this bucket
+            return default_hooks.allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(None, counting_hook)
+    seen = {}
+    engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.__setitem__("grad", grads(model)))
+    engine.train_epoch(0, list(rank_batches(images, s.micro_batch, ctx)))
+    if ctx.is_main:
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        torch.save({"grad": seen["grad"], "weights": weights, "communicated": communicated,
+                    "steps": s.total_steps}, out)  # fmt: skip
+    distributed.cleanup()
+
+
+def rank_batches(images: dict, micro: int, ctx: distributed.Context):
+    """This rank's slice of each global micro-batch of micro x world images."""
+    step = micro * ctx.world_size
+    for start in range(0, images["img"].shape[0], step):
+        lo, hi = start + ctx.rank * micro, start + (ctx.rank + 1) * micro
+        keep = (images["batch_idx"] >= lo) & (images["batch_idx"] < hi)
+        yield {
+            "img": images["img"][lo:hi],
+            "batch_idx": images["batch_idx"][keep] - lo,
+            "cls": images["cls"][keep],
+            "bboxes": images["bboxes"][keep],
+        }
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "sync-all" in sys.argv[4:])

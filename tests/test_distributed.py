@@ -1,0 +1,89 @@
+"""Several processes with real torchrun and gloo on the CPU: the same gradient and weights as one process, one
+gradient all-reduce per window, the same outputs, and a failing rank that ends the job."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, final_weights, offline_env, relative_difference, shapes_yaml
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
+pytestmark = pytest.mark.slow
+
+
+def torchrun(nproc: int, *args: object, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=offline_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def window(tmp_path: Path, nproc: int, batch: int, *extra: str) -> dict:
+    out = tmp_path / f"window_{nproc}_{batch}_{'_'.join(extra)}.pt"
+    r = torchrun(nproc, REPO / "tests/ddp_window.py", out, batch, 16, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    return window(tmp_path_factory.mktemp("single"), 1, 16)  # one process, one micro-batch of 16
+
+
+def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, tmp_path):
+    ddp = window(tmp_path, 2, 4)  # 2 ranks x micro-batch 2 x accumulate 4
+    # float32 sums over 16 images in another order: ~5e-6 also without DDP (1 process, 8 micro-batches of 2).
+    assert relative_difference(ddp["grad"], single["grad"]) <= 1e-5
+    assert relative_difference(ddp["weights"], single["weights"]) <= 1e-5
+
+
+def test_gradients_all_reduce_once_per_window(tmp_path):
+    with_no_sync, without = window(tmp_path, 2, 4), window(tmp_path, 2, 4, "sync-all")
+    # The comm hook runs once per gradient bucket; what counts is how many backward passes communicated.
+    assert with_no_sync["steps"] == 1
+    assert sorted(set(with_no_sync["communicated"])) == [4]  # only the window's last micro-batch
+    assert sorted(set(without["communicated"])) == [1, 2, 3, 4]  # Ultralytics' way: every micro-batch
+
+
+def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_args, tmp_path):
+    r = torchrun(2, "-m", "yoloaccum", "train", f"project={tmp_path}", "name=ddp", *exact_args, "batch=4", "nbs=16")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    difference = relative_difference(final_weights(tmp_path / "ddp"), final_weights(big_batch_run))
+    print(f"torchrun 2 x 2 x accumulate 4 vs batch=16: {difference:.2e} relative")
+    assert difference <= 1e-4
+
+
+def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path, run_cli):
+    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
+    args = ("train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0", f"project={tmp_path}")
+    r = torchrun(2, "-m", "yoloaccum", *args, "name=ddp")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert run_cli(*args, "name=single", timeout=600).returncode == 0
+    files = {
+        name: sorted(p.relative_to(tmp_path / name) for p in (tmp_path / name).rglob("*")) for name in ("ddp", "single")
+    }
+    assert files["ddp"] == files["single"]
+    assert Path("weights/best.pt") in files["ddp"]
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_a_failing_rank_ends_the_job(kind, tmp_path):
+    """Rank 1 fails in the second epoch: the job exits non-zero promptly, and epoch 1's last.pt still loads."""
+    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
+    start = time.monotonic()
+    r = torchrun(2, "-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=2",
+                 "workers=0", f"project={tmp_path}", "name=fail", env={"YOLOACCUM_FAULT": f"{kind}@8:1"},
+                 timeout=300)  # fmt: skip
+    assert r.returncode != 0
+    assert time.monotonic() - start < 240
+    from yoloaccum import checkpoint
+
+    ckpt = checkpoint.load(tmp_path / "fail/weights/last.pt")
+    assert ckpt["epoch"] == 0
+
+
+def test_several_cuda_devices_without_cuda_is_a_clear_error(run_cli, tmp_path):
+    data = shapes_yaml(tmp_path, num_train=8, num_val=4)
+    r = run_cli("train", f"data={data}", "device=0,1")
+    assert r.returncode == 2 and "no CUDA device is available" in r.stderr and "Traceback" not in r.stderr
