@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint format clean
+.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke
 
 install: $(STAMP)
 
@@ -38,3 +38,7 @@ format: install
 
 clean:
 	rm -rf $(VENV) runs datasets/shapes .pytest_cache
+
+# Benchmarks: not part of `make test`; they write benchmarks/results*.{md,json}.
+bench-ddp: install
+	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py

@@ -141,8 +141,15 @@ def run() -> None:
     # --verbose may come anywhere, also after the command's key=value arguments.
     verbose = any(a in {"--verbose", "-v"} for a in sys.argv[1:])
     args = [a for a in sys.argv[1:] if a not in {"--verbose", "-v"}]
+    from yoloaccum.signals import Interrupted
+
     try:
+        # Standalone: usage errors exit 2, and a second Ctrl-C (KeyboardInterrupt) exits 130 at once; checkpoints
+        # are written atomically, so whatever is on disk then is whole.
         app(args=args, prog_name="yoloaccum", standalone_mode=True)
+    except Interrupted as e:  # a graceful stop: last.pt is saved, and the message says how to resume
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
     except UserError as e:
         if verbose or os.environ.get("YOLOACCUM_DEBUG") == "1":
             raise

@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -134,13 +135,14 @@ class EpochBatchSampler(Sampler[list[int]]):
                 f"choose a batch that leaves at least {world_size} images in the last one"
             )
         self.num_images, self.batch, self.rank, self.world_size = num_images, batch, rank, world_size
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch, self.start = shuffle, seed, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Draw epoch's order; skip its first `start` batches (a resumed run continues from the next image)."""
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return math.ceil(self.num_images / self.batch)
+        return math.ceil(self.num_images / self.batch) - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
@@ -148,26 +150,88 @@ class EpochBatchSampler(Sampler[list[int]]):
             order = torch.randperm(self.num_images, generator=g).tolist()
         else:
             order = list(range(self.num_images))
-        for start in range(0, self.num_images, self.batch):
-            global_batch = order[start : start + self.batch]
+        for first in range(self.start * self.batch, self.num_images, self.batch):
+            global_batch = order[first : first + self.batch]
             cuts = [len(global_batch) * r // self.world_size for r in range(self.world_size + 1)]
             yield global_batch[cuts[self.rank] : cuts[self.rank + 1]]
 
 
 def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32) -> Dataset:
-    """Ultralytics' YOLODataset with its augmentations (train) or letterboxed rectangles (val)."""
-    from ultralytics.data import build_yolo_dataset
+    """Ultralytics' YOLODataset with its augmentations, as Ultralytics' build_yolo_dataset makes it for training;
+    it also keeps what the label scan found, for `summary`."""
+    from ultralytics.utils import colorstr
 
     from yoloaccum.ultra import ultralytics_args
 
+    args = ultralytics_args(cfg)
     paths = [str(p) for p in (spec.train if split == "train" else spec.val)]
-    data = {"names": spec.names, "nc": spec.nc, "channels": 3}
-    mode = "train" if split == "train" else "val"
+    scanned_dataset = _scanned_dataset_class()
     try:
-        return build_yolo_dataset(ultralytics_args(cfg), paths if len(paths) > 1 else paths[0], cfg.batch, data,
-                                  mode=mode, rect=mode == "val", stride=stride)  # fmt: skip
+        return scanned_dataset(
+            img_path=paths if len(paths) > 1 else paths[0], imgsz=cfg.imgsz, batch_size=cfg.batch, augment=True,
+            hyp=args, rect=False, cache=cfg.cache or None, single_cls=cfg.single_cls, stride=stride, pad=0.0,
+            prefix=colorstr(f"{split}: "), task="detect", classes=None, fraction=cfg.fraction,
+            data={"names": spec.names, "nc": spec.nc, "channels": 3},
+        )  # fmt: skip
     except FileNotFoundError as e:
         raise UserError(f"{spec.yaml_file}: no images found for {split} in {', '.join(paths)}") from e
+    except RuntimeError as e:
+        if "No valid images" not in str(e):
+            raise
+        reasons = summary(split, None, scan=scanned_dataset.last_scan).splitlines()[0]
+        raise UserError(f"{spec.yaml_file}: no usable {split} images ({reasons})") from e
+
+
+@cache
+def _scanned_dataset_class() -> type:
+    """Defined on first use, so that `yoloaccum plan` does not import ultralytics."""
+    from ultralytics.data.dataset import YOLODataset
+
+    class ScannedDataset(YOLODataset):
+        """YOLODataset that keeps the label scan's counts and messages (Ultralytics only logs them)."""
+
+        last_scan: dict | None = None
+
+        def _load_or_scan_cache(self, cache_path, cache_hash):
+            cache, exists = super()._load_or_scan_cache(cache_path, cache_hash)
+            self.scan = ScannedDataset.last_scan = {"results": cache["results"], "msgs": list(cache["msgs"])}
+            return cache, exists
+
+    return ScannedDataset
+
+
+# What Ultralytics' label check says, and the reason yoloaccum counts it under. The first match wins.
+_REASONS = (
+    ("duplicate labels removed", "duplicate boxes removed (image kept)"),
+    ("corrupt JPEG restored", "corrupt JPEG restored (image kept)"),
+    ("<10 pixels", "image smaller than 10 px"),
+    ("columns", "wrong column count"),
+    ("could not convert", "non-numeric label"),
+    ("out of bounds coordinates", "coordinates outside [0, 1]"),
+    ("negative label values", "coordinates outside [0, 1]"),
+    ("non-integer class", "class id not an integer"),
+    ("exceeds dataset class count", "class id >= nc"),
+    ("", "unreadable image"),
+)
+
+
+def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> str:
+    """ "train: N images, M skipped: 2 unreadable image, 1 class id >= nc; ..." with a line per skipped file."""
+    from collections import Counter
+
+    scan = scan or getattr(dataset, "scan", None) or {"results": (0, 0, 0, 0, 0), "msgs": []}
+    found, missing, empty, corrupt, total = scan["results"]
+    reasons, lines = Counter(), []
+    for msg in scan["msgs"]:
+        reason = next(r for key, r in _REASONS if key in msg)
+        reasons[reason] += 1
+        if "kept" not in reason:
+            lines.append(f"  skipped {msg.split(': ', 1)[-1].split(': ignoring', 1)[0]}: {reason}")
+    skipped = sum(n for r, n in reasons.items() if "kept" not in r)
+    counted = ", ".join(f"{n} {r}" for r, n in reasons.most_common())
+    head = f"{split}: {found + corrupt} images, {skipped} skipped" + (f": {counted}" if counted else "")
+    head += f"; {missing + empty} without objects (backgrounds)" if missing + empty else ""
+    return "\n".join([head, *lines[:10], *(["  ..."] if len(lines) > 10 else [])])
 
 
 def build_loader(dataset: Dataset, cfg: Config, micro_batch: int, rank: int, world: int, train: bool) -> DataLoader:

@@ -7,6 +7,7 @@ drive the same code with a toy model.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from collections.abc import Callable, Iterable
@@ -43,31 +44,46 @@ class Engine:
     ema: Any = None  # ultralytics ModelEMA, or None
     amp: bool = False
     no_sync: bool = True  # False all-reduces after every micro-batch, as Ultralytics does (for benchmarks)
+    nan_patience: int = 0  # stop after this many consecutive skipped windows; 0 never stops
+    log: Callable[[str], None] = lambda message: None
+    skipped: list[int] = field(default_factory=list)  # iterations whose window was skipped as non-finite
+    skipped_in_a_row: int = 0
+    # [images, T per loss branch..., non-finite losses, stop votes]: summed over the window and, once, over ranks.
     window_counts: torch.Tensor = field(init=False)
 
     def __post_init__(self):
-        self.window_counts = torch.zeros(1 + len(self.loss.param_groups()), device=self.ctx.device)
+        self.num_branches = len(self.loss.param_groups())
+        self.window_counts = torch.zeros(self.num_branches + 3, device=self.ctx.device)
         self.fault = Fault.from_env(self.ctx.rank)
 
-    def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None) -> None:
-        """One pass over the epoch's micro-batches: a micro-step each, an optimizer step at each window end."""
-        s, nb, window_start = self.schedule, self.schedule.batches_per_epoch, 0
-        for i, batch in enumerate(batches):
+    def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None,
+                    start: int = 0, should_stop: Callable[[], bool] = lambda: False) -> EpochResult:  # fmt: skip
+        """The epoch's micro-batches from index `start` on: a micro-step each, an optimizer step at each window end.
+
+        Returns early, at a window boundary, when should_stop() is true on any rank or after nan_patience skipped
+        windows in a row.
+        """
+        s, nb, window_start, i = self.schedule, self.schedule.batches_per_epoch, start, start - 1
+        for i, batch in enumerate(batches, start):
             ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
-            # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
-            if self.fault and self.fault.ni == ni:
+            if self.fault and self.fault.applies(ni):
                 self.fault.trigger(batch)
+            # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
             with distributed.no_sync(self.model, skip=self.no_sync and not last_in_window):
                 items = self.micro_step(batch)
-            if last_in_window:
-                self.step(ni)
+            stop = self.step(ni, should_stop()) if last_in_window else False
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 on_micro_step(i, items, batch["img"].shape[0], i - window_start + 1, s.accumulate_at(ni), lr)
             if last_in_window:
                 window_start = i + 1
+                if stop:
+                    return EpochResult(i + 1, "interrupted")
+                if self.nan_patience and self.skipped_in_a_row >= self.nan_patience:
+                    return EpochResult(i + 1, "diverged")
         assert i + 1 == nb, f"the loader gave {i + 1} batches, the schedule expects {nb}"
+        return EpochResult(nb, None)
 
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
@@ -76,35 +92,63 @@ class Engine:
         with torch.autocast(self.ctx.device.type, enabled=self.amp):
             preds = self.model(batch["img"])
             loss, items, counts = self.loss(preds, batch)
-        self.window_counts += counts  # images and target-score sums of the window, kept on the device
+        n = self.num_branches
+        self.window_counts[: n + 1] += counts  # images and target-score sums, kept on the device: no sync
+        self.window_counts[n + 1] += (~torch.isfinite(loss.detach())).float()
         self.scaler.scale(loss).backward()
         return items
 
-    def step(self, ni: int) -> None:
-        """End a window: normalise, unscale, clip, optimizer step, zero_grad, EMA update, once each."""
-        counts = distributed.all_reduce_sum(self.window_counts, self.ctx)  # the global normaliser: one all-reduce
-        self.loss.normalise_gradients(counts, self.ctx.world_size)
+    def step(self, ni: int, stop_requested: bool = False) -> bool:
+        """End a window: normalise, unscale, clip, step, zero_grad, EMA, once each. Returns whether to stop.
+
+        A window whose loss or gradient is not finite is skipped: no step, gradients zeroed. (With AMP the scaler
+        handles overflowing gradients itself; only a non-finite loss counts as skipped then.)
+        """
+        n = self.num_branches
+        self.window_counts[n + 2] = float(stop_requested)
+        counts = distributed.all_reduce_sum(self.window_counts, self.ctx)  # one all-reduce: the global normaliser
+        self.loss.normalise_gradients(counts[: n + 1], self.ctx.world_size)
         self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad)
-        optim.set_hyperparameters(self.optimizer, self.schedule, ni)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad)
+        bad_losses, stop_votes, norm = torch.stack([counts[n + 1], counts[n + 2], norm.float()]).tolist()  # sync
+        finite = bad_losses == 0 and (self.amp or math.isfinite(norm))
+        if finite or self.amp:
+            optim.set_hyperparameters(self.optimizer, self.schedule, ni)
+            self.scaler.step(self.optimizer)  # with AMP, skips by itself when the gradients overflowed
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update(self.raw_model)
+        if finite:
+            if self.ema is not None:
+                self.ema.update(self.raw_model)
+            self.skipped_in_a_row = 0
+        else:
+            self.skipped.append(ni)
+            self.skipped_in_a_row += 1
+            self.log(f"iteration {ni}: non-finite loss or gradient, window skipped ({len(self.skipped)} so far)")
         self.window_counts.zero_()
+        return stop_votes > 0
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """How far an epoch got: micro-batches done, and why it ended early (None when it completed)."""
+
+    done: int
+    stopped: str | None  # "interrupted" (a signal) or "diverged" (nan_patience skipped windows in a row)
 
 
 @dataclass(frozen=True)
 class Fault:
-    """A test hook: YOLOACCUM_FAULT=KIND@NI[:RANK] makes iteration NI fail on RANK (every rank when omitted).
+    """A test hook: YOLOACCUM_FAULT=KIND@NI[-][:RANK] makes iteration NI (NI- : NI and every later one) fail on RANK
+    (every rank when omitted).
 
-    KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine) or `nan` (a non-finite
-    input, hence a non-finite loss).
+    KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a non-finite
+    input, hence a non-finite loss), or `sigint` / `sigterm` (the signal, sent to this process).
     """
 
     kind: str
     ni: int
+    onwards: bool = False
 
     @classmethod
     def from_env(cls, rank: int) -> Fault | None:
@@ -113,12 +157,21 @@ class Fault:
             return None
         kind, _, where = spec.partition("@")
         ni, _, only_rank = where.partition(":")
-        assert kind in {"raise", "kill", "nan"} and ni.isdigit(), f"YOLOACCUM_FAULT={spec} is not KIND@NI[:RANK]"
-        return cls(kind, int(ni)) if not only_rank or int(only_rank) == rank else None
+        assert kind in _FAULTS and ni.rstrip("-").isdigit(), f"YOLOACCUM_FAULT={spec} is not KIND@NI[-][:RANK]"
+        if only_rank and int(only_rank) != rank:
+            return None
+        return cls(kind, int(ni.rstrip("-")), ni.endswith("-"))
+
+    def applies(self, ni: int) -> bool:
+        return ni == self.ni or (self.onwards and ni > self.ni)
 
     def trigger(self, batch: dict[str, Any]) -> None:
         if self.kind == "raise":
             raise RuntimeError(f"YOLOACCUM_FAULT: injected failure at iteration {self.ni}")
-        if self.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        batch["img"] = batch["img"].float() * float("nan")
+        if self.kind == "nan":
+            batch["img"] = batch["img"].float() * float("nan")
+        else:
+            os.kill(os.getpid(), _FAULTS[self.kind])
+
+
+_FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM}

@@ -30,7 +30,7 @@ def resolve_yaml(name: str) -> str:
     return name
 
 
-def build(cfg: Config, spec: DatasetSpec, verbose: bool = False) -> nn.Module:
+def build(cfg: Config, spec: DatasetSpec, verbose: bool = False, announce: bool = True) -> nn.Module:
     """The model to train: from cfg.model (YAML or .pt), sized for the dataset, with cfg.pretrained weights loaded."""
     from ultralytics.nn.tasks import DetectionModel
 
@@ -48,7 +48,8 @@ def build(cfg: Config, spec: DatasetSpec, verbose: bool = False) -> nn.Module:
         matched, total = load_matching(model, source)
         if not matched:
             raise UserError(f"no tensor of {cfg.pretrained or cfg.model} matches {cfg.model}; check the architecture")
-        print(f"pretrained: transferred {matched}/{total} tensors from {cfg.pretrained or cfg.model}")
+        if announce:
+            print(f"pretrained: transferred {matched}/{total} tensors from {cfg.pretrained or cfg.model}")
     return model
 
 

@@ -57,8 +57,12 @@ def run(args: list[str]) -> list[dict[str, Any]]:
             {
                 "image": str(f),
                 "detections": [
-                    {"class": int(c), "name": result.names[int(c)], "confidence": round(float(p), 4),
-                     "box_xyxy": [round(float(v), 1) for v in xyxy]}  # fmt: skip
+                    {
+                        "class": int(c),
+                        "name": result.names[int(c)],
+                        "confidence": round(float(p), 4),
+                        "box_xyxy": [round(float(v), 1) for v in xyxy],
+                    }  # fmt: skip
                     for c, p, xyxy in zip(boxes.cls, boxes.conf, boxes.xyxy)
                 ],
             }

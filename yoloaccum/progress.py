@@ -90,6 +90,16 @@ class Results:
                 writer.writeheader()
             writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
 
+    def truncate(self, epochs: int) -> None:
+        """Keep the rows of the first `epochs` epochs: a resumed run rewrites what came after its checkpoint."""
+        if not self.file.exists():
+            return
+        with self.file.open() as f:
+            rows = list(csv.reader(f))
+        kept = [rows[0]] + [r for r in rows[1:] if int(float(r[0])) <= epochs] if rows else []
+        with self.file.open("w", newline="") as f:
+            csv.writer(f).writerows(kept)
+
     def plot(self) -> None:
         from ultralytics.utils.plotting import plot_results
 

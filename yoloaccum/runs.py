@@ -59,6 +59,13 @@ class RunDir:
         (path / "results.csv").unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
         return cls(path)
 
+    @classmethod
+    def reopen(cls, path: Path) -> RunDir:
+        """The folder of a run being resumed, as it is."""
+        if not (path / "weights").is_dir():
+            raise UserError(f"{path} is not a run folder (no weights/ in it); resume needs a run's weights/last.pt")
+        return cls(path)
+
     @property
     def weights(self) -> Path:
         return self.path / "weights"

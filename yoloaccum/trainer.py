@@ -1,25 +1,28 @@
 """The trainer: builds a run (data, model, engine), then each epoch trains, validates, logs and saves.
 
 The accumulation loop itself is engine.Engine; *when* to step comes from schedule, the loss normaliser from
-loss.WindowLoss. Rank 0 alone validates, logs and writes; every rank trains.
+loss.WindowLoss. Rank 0 alone validates, logs and writes; every rank trains. A run can stop at any window boundary
+(a signal, or a diverging loss) and resume from last.pt to the same weights.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from yoloaccum import checkpoint, data, distributed, loss, optim
+from yoloaccum import checkpoint, data, distributed, loss, optim, resume
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, resolve
-from yoloaccum.engine import Engine
+from yoloaccum.engine import Engine, EpochResult
 from yoloaccum.errors import UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
 from yoloaccum.runs import RunDir, seed_everything
+from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.validate import Evaluator, metrics_table
 
 
@@ -27,21 +30,27 @@ class Trainer:
     """Trains cfg.model on cfg.data with gradient accumulation (see Engine for the step contract).
 
     Outputs, on rank 0 under project/name: args.yaml, results.csv, results.png, weights/last.pt and best.pt.
+    With `ckpt` (a yoloaccum last.pt, loaded), it continues that run in its folder from the saved position.
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | None = None):
         from ultralytics.utils.torch_utils import EarlyStopping, ModelEMA
 
         self.cfg = cfg
         self.ctx = distributed.setup(cfg.device)
         seed_everything(cfg.seed, cfg.deterministic)
         self.spec = data.load_spec(cfg.data, cfg.split)
-        self.run = RunDir.create(cfg) if self.ctx.is_main else None
+        if self.ctx.is_main:
+            self.run = RunDir.reopen(ckpt_path.parent.parent) if ckpt_path else RunDir.create(cfg)
+        else:
+            self.run = None
         self.train_set = data.build_dataset(cfg, self.spec, "train")
+        if self.run:
+            self.run.console.print(data.summary("train", self.train_set))
         self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
         self.loader = self._loader()
-        self.raw_model = model_.build(cfg, self.spec, verbose=False).to(self.ctx.device)
-        ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
+        self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
+        self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
         amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
         self.engine = Engine(
@@ -53,40 +62,52 @@ class Trainer:
             ctx=self.ctx,
             clip_grad=cfg.clip_grad,
             scaler=torch.amp.GradScaler("cuda", enabled=amp),
-            ema=ema,
+            ema=self.ema,
             amp=amp,
+            nan_patience=cfg.nan_patience,
+            log=self.run.console.print if self.run else (lambda message: None),
         )
-        self.ema, self.optimizer = ema, self.engine.optimizer
+        self.optimizer = self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
         self.evaluator = Evaluator(cfg, self.spec, self.run.path, cfg.batch * 2, self.ctx.device) if self.run else None
-        self.start_epoch, self.best_fitness, self.metrics, self.mosaic_closed = 0, None, {}, False
+        self.best_fitness, self.metrics, self.mosaic_closed = None, {}, False
+        self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
+        if ckpt is not None:
+            self.load_state(ckpt["yoloaccum"], ckpt)
 
     def _loader(self):
         s = self.schedule
         return data.build_loader(self.train_set, self.cfg, s.micro_batch, self.ctx.rank, self.ctx.world_size, True)
 
     def train(self) -> dict[str, float]:
-        """Run every epoch; returns the final validation metrics."""
+        """Run the remaining epochs; returns the final validation metrics."""
         s, cfg = self.schedule, self.cfg
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx)
-        for epoch in range(self.start_epoch, s.epochs):
-            t0 = time.perf_counter()
-            if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
-                self._close_mosaic()
-            images_per_second = self.train_epoch(epoch)
-            self.loss.end_epoch()
-            final = epoch + 1 == s.epochs
-            stop = self.end_epoch(epoch, final, images_per_second, time.perf_counter() - t0)
-            if stop:
-                break
+        with GracefulStop() as stop_signal:
+            epoch, start = self.position
+            while epoch < s.epochs:
+                t0 = time.perf_counter()
+                if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
+                    self._close_mosaic()
+                result, images_per_second = self.train_epoch(epoch, start, stop_signal)
+                if result.done < s.batches_per_epoch:  # stopped inside the epoch, at a window boundary
+                    self.save_position(epoch, result.done)
+                    self._stop(result, stop_signal)
+                self.loss.end_epoch()
+                stop = self.end_epoch(epoch, images_per_second, time.perf_counter() - t0)
+                if result.stopped == "diverged" or (result.stopped and not stop):
+                    self._stop(result, stop_signal)
+                epoch, start = epoch + 1, 0
+                if stop:
+                    break
         distributed.barrier(self.ctx)
         return self.metrics
 
-    def train_epoch(self, epoch: int) -> float:
-        """One pass over the data through the engine; returns images per second over all devices."""
+    def train_epoch(self, epoch: int, start: int, should_stop) -> tuple[EpochResult, float]:
+        """The epoch's micro-batches from `start` on, through the engine; also images per second over all devices."""
         s = self.schedule
-        self.loader.batch_sampler.set_epoch(epoch)
+        self.loader.batch_sampler.set_epoch(epoch, start)
         self.engine.model.train()
         model_.set_bn_mode(self.engine.model, self.cfg.bn)
         progress = EpochProgress(epoch, s.epochs, s.batches_per_epoch, self.loss_names, self.cfg.log_every,
@@ -96,11 +117,22 @@ class Trainer:
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
 
         try:
-            self.engine.train_epoch(epoch, self.loader, on_micro_step)
+            result = self.engine.train_epoch(epoch, self.loader, on_micro_step, start, should_stop)
         finally:
             progress.close()
-        self.train_losses = progress.mean_losses(s.batches_per_epoch)
-        return progress.images_per_second() * self.ctx.world_size
+        self.train_losses = progress.mean_losses(max(result.done - start, 1))
+        return result, progress.images_per_second() * self.ctx.world_size
+
+    def _stop(self, result: EpochResult, stop_signal: GracefulStop) -> None:
+        weights = self.run.weights / "last.pt" if self.run else "last.pt"
+        if result.stopped == "diverged":
+            skipped = self.engine.skipped[-self.cfg.nan_patience :]
+            raise UserError(
+                f"training diverged: {self.cfg.nan_patience} windows in a row had a non-finite loss or gradient "
+                f"(iterations {', '.join(map(str, skipped))}); {weights} holds the last good state; lower lr0, "
+                "raise clip_grad's strictness or check the data"
+            )
+        raise Interrupted(stop_signal.signum, f"stopped; resume with: yoloaccum train resume={weights}")
 
     @property
     def loss_names(self) -> tuple[str, ...]:
@@ -113,8 +145,9 @@ class Trainer:
         self.loader = self._loader()  # workers hold a copy of the dataset: start them again
         self.mosaic_closed = True
 
-    def end_epoch(self, epoch: int, final: bool, images_per_second: float, seconds: float) -> bool:
+    def end_epoch(self, epoch: int, images_per_second: float, seconds: float) -> bool:
         """Validate, log and save on rank 0; returns whether to stop (early stopping or the final epoch)."""
+        final = epoch + 1 == self.schedule.epochs
         stop = final
         if self.run is not None:
             if self.cfg.val or final:
@@ -125,13 +158,14 @@ class Trainer:
             self.run.results.append(self._row(epoch, seconds, images_per_second))
             if self.cfg.verbose and self.metrics:
                 self.run.console.print(metrics_table(self.metrics, f"epoch {epoch + 1}/{self.schedule.epochs}"))
-            self.save(epoch, best=fitness == self.best_fitness)
             stop |= self.stopper(epoch + 1, fitness)
+            self.save(epoch, best=fitness == self.best_fitness, finished=stop)
         return self._agree(stop)
 
     def _agree(self, stop: bool) -> bool:
+        """Every rank stops together: rank 0 decided; the others wait here while it validated and saved."""
         flag = torch.tensor([float(stop)], device=self.ctx.device)
-        return bool(distributed.all_reduce_sum(flag, self.ctx).item())  # every rank stops together
+        return bool(distributed.all_reduce_sum(flag, self.ctx).item())
 
     def _row(self, epoch: int, seconds: float, images_per_second: float) -> dict[str, float]:
         s = self.schedule
@@ -143,11 +177,11 @@ class Trainer:
         row.update(zip(EXTRA_COLUMNS, (s.accumulate, s.effective_batch, s.weight_decay, images_per_second)))
         return row
 
-    def save(self, epoch: int, best: bool) -> None:
-        """last.pt every epoch (and best.pt when fitness improved), in Ultralytics' layout."""
+    def save(self, epoch: int, best: bool, finished: bool) -> None:
+        """last.pt after every epoch (and best.pt when fitness improved), in Ultralytics' layout."""
         if not self.cfg.save:
             return
-        ckpt = self.checkpoint(epoch)
+        ckpt = self.state((epoch + 1, 0), finished=finished)
         w = self.run.weights
         checkpoint.save_atomic(ckpt, w / "last.pt")
         if best:
@@ -155,12 +189,19 @@ class Trainer:
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
             checkpoint.save_atomic(ckpt, w / f"epoch{epoch + 1}.pt")
 
-    def checkpoint(self, epoch: int) -> dict[str, Any]:
+    def save_position(self, epoch: int, done: int) -> None:
+        """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
+        if self.run is not None:
+            checkpoint.save_atomic(self.state((epoch, done), interrupted=True), self.run.weights / "last.pt")
+        distributed.barrier(self.ctx)
+
+    def state(self, position: tuple[int, int], finished: bool = False, interrupted: bool = False) -> dict[str, Any]:
+        """The checkpoint: Ultralytics' entries for predict and export, and ours for an exact resume."""
         from yoloaccum.ultra import VERSION, ultralytics_args
 
         self.ema.update_attr(self.raw_model, include=["yaml", "nc", "args", "names", "stride"])
         return {
-            "epoch": epoch,
+            "epoch": position[0] - 1,  # Ultralytics: the last completed epoch
             "best_fitness": self.best_fitness,
             "model": None,
             "ema": checkpoint.ultralytics_model(self.ema.ema),
@@ -173,24 +214,52 @@ class Trainer:
             "license": "AGPL-3.0",
             "yoloaccum": {
                 "config": dict(self.cfg),
-                "epoch": epoch,
+                "position": {"epoch": position[0], "batch": position[1]},
+                "finished": finished,
+                "interrupted": interrupted,
                 "model": self.raw_model.state_dict(),
                 "ema": self.ema.ema.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.engine.scaler.state_dict(),
                 "stopper": {"best_fitness": self.stopper.best_fitness, "best_epoch": self.stopper.best_epoch},
+                "skipped_windows": list(self.engine.skipped),
+                "rng": resume.rng_state(self.loader.generator),
+                "mosaic_buffer": list(getattr(self.train_set, "buffer", [])),
             },
         }
 
+    def load_state(self, state: dict[str, Any], ckpt: dict[str, Any]) -> None:
+        """Continue from a checkpoint written by state(): weights, optimizer, EMA, schedule position, RNG."""
+        self.raw_model.load_state_dict(state["model"])
+        self.ema.ema.load_state_dict(state["ema"])
+        self.ema.updates = ckpt["updates"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.scaler.load_state_dict(state["scaler"])
+        self.stopper.best_fitness = state["stopper"]["best_fitness"]
+        self.stopper.best_epoch = state["stopper"]["best_epoch"]
+        self.best_fitness, self.metrics = ckpt["best_fitness"], dict(ckpt.get("train_metrics") or {})
+        self.engine.skipped = list(state["skipped_windows"])
+        self.position = (state["position"]["epoch"], state["position"]["batch"])
+        for _ in range(self.position[0]):  # E2ELoss decays its one-to-many gain once per finished epoch
+            self.loss.end_epoch()
+        if self.run is not None:
+            self.run.results.truncate(self.position[0])
+            self.run.console.print(f"resuming {self.run.path} at epoch {self.position[0] + 1}, "
+                                   f"micro-batch {self.position[1]}")  # fmt: skip
+        resume.restore_mosaic_buffer(self.train_set, state["mosaic_buffer"])
+        resume.restore_rng(state["rng"], self.loader.generator)  # last: building the run consumed random numbers
+
 
 def run(args: list[str]) -> dict[str, float]:
-    """`yoloaccum train ...`: resolve the config, train, and print where the weights are."""
-    cfg = resolve(args)
+    """`yoloaccum train ...`: resolve the config (or the run to resume), train, and say where the weights are."""
+    cfg, ckpt, path = resolve(args), None, None
+    if cfg.resume:
+        cfg, ckpt, path = resume.load(cfg, args)
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
     if len(distributed.cuda_ids(cfg.device)) > 1 and "WORLD_SIZE" not in os.environ:
         raise SystemExit(distributed.launch(args, cfg.device))  # several devices: one process each, via torchrun
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, ckpt, path)
     try:
         metrics = trainer.train()
         if trainer.run is not None:
