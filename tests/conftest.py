@@ -56,6 +56,10 @@ def shapes_yaml(folder: Path, num_train: int, num_val: int, imgsz: int = 64, see
     return path
 
 
+# Runs compared bitwise across processes use one thread: with two, some of PyTorch's CPU kernels split their work
+# by timing, and two identical runs can end apart (measured: 1.4e-2 relative after 4 epochs).
+SERIAL = {"OMP_NUM_THREADS": "1"}
+
 # The exactness runs: yolo26n, no warmup, BatchNorm frozen, augmentation off, workers=0; 42 images, so each epoch
 # ends in a short window. They start from briefly trained weights: a head fresh from initialisation predicts boxes
 # exactly on the pixel grid, where CIoU's min/max meet ties and float32 noise of 1e-7 picks the subgradient (a 1e-2
@@ -71,7 +75,7 @@ def exact_args(tmp_path_factory) -> tuple[str, ...]:
     folder = tmp_path_factory.mktemp("exact")
     data = shapes_yaml(folder, num_train=42, num_val=8, seed=5)
     r = _run_cli("train", f"data={data}", f"project={folder}", "name=start", *EXACT, "epochs=1", "batch=16",
-                 "nbs=16", timeout=600)  # fmt: skip
+                 "nbs=16", env=SERIAL, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return (f"data={data}", *EXACT, f"pretrained={folder / 'start/weights/last.pt'}")
 
@@ -80,7 +84,7 @@ def exact_args(tmp_path_factory) -> tuple[str, ...]:
 def big_batch_run(exact_args, tmp_path_factory) -> Path:
     """The reference: one process, batch=16 nbs=16 (no accumulation)."""
     project = tmp_path_factory.mktemp("big")
-    r = _run_cli("train", f"project={project}", "name=big", *exact_args, "batch=16", "nbs=16", timeout=600)
+    r = _run_cli("train", f"project={project}", "name=big", *exact_args, "batch=16", "nbs=16", env=SERIAL, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return project / "big"
 

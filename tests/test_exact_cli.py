@@ -6,12 +6,12 @@ from briefly trained weights). norm=micro, Ultralytics' behaviour, visibly disag
 """
 
 import pytest
-from conftest import final_weights, relative_difference
+from conftest import SERIAL, final_weights, relative_difference
 
 
 def accumulated_run(norm, exact_args, tmp_path, run_cli):
     r = run_cli("train", f"project={tmp_path}", f"name={norm}", *exact_args, "batch=4", "nbs=16", f"norm={norm}",
-                timeout=600)  # fmt: skip
+                env=SERIAL, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return final_weights(tmp_path / norm)
 

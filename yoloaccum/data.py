@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -200,6 +201,8 @@ def _scanned_dataset_class() -> type:
     return ScannedDataset
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
 # What Ultralytics' label check says, and the reason yoloaccum counts it under. The first match wins.
 _REASONS = (
     ("duplicate labels removed", "duplicate boxes removed (image kept)"),
@@ -223,13 +226,14 @@ def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> st
     found, missing, empty, corrupt, total = scan["results"]
     reasons, lines = Counter(), []
     for msg in scan["msgs"]:
+        msg = _ANSI.sub("", msg)  # Ultralytics prefixes a coloured "train: "
         reason = next(r for key, r in _REASONS if key in msg)
         reasons[reason] += 1
         if "kept" not in reason:
             lines.append(f"  skipped {msg.split(': ', 1)[-1].split(': ignoring', 1)[0]}: {reason}")
     skipped = sum(n for r, n in reasons.items() if "kept" not in r)
     counted = ", ".join(f"{n} {r}" for r, n in reasons.most_common())
-    head = f"{split}: {found + corrupt} images, {skipped} skipped" + (f": {counted}" if counted else "")
+    head = f"{split}: {total} images, {skipped} skipped" + (f": {counted}" if counted else "")
     head += f"; {missing + empty} without objects (backgrounds)" if missing + empty else ""
     return "\n".join([head, *lines[:10], *(["  ..."] if len(lines) > 10 else [])])
 

@@ -48,6 +48,7 @@ class Engine:
     log: Callable[[str], None] = lambda message: None
     skipped: list[int] = field(default_factory=list)  # iterations whose window was skipped as non-finite
     skipped_in_a_row: int = 0
+    buffers_at_window_start: list[torch.Tensor] = field(default_factory=list)
     # [images, T per loss branch..., non-finite losses, stop votes]: summed over the window and, once, over ranks.
     window_counts: torch.Tensor = field(init=False)
 
@@ -67,6 +68,8 @@ class Engine:
         for i, batch in enumerate(batches, start):
             ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
+            if i == window_start:  # a skipped window must not leave its statistics in BatchNorm's running buffers
+                self.buffers_at_window_start = [b.clone() for b in self.raw_model.buffers()]
             if self.fault and self.fault.applies(ni):
                 self.fault.trigger(batch)
             # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
@@ -122,6 +125,8 @@ class Engine:
                 self.ema.update(self.raw_model)
             self.skipped_in_a_row = 0
         else:
+            for b, saved in zip(self.raw_model.buffers(), self.buffers_at_window_start):
+                b.copy_(saved)
             self.skipped.append(ni)
             self.skipped_in_a_row += 1
             self.log(f"iteration {ni}: non-finite loss or gradient, window skipped ({len(self.skipped)} so far)")

@@ -19,7 +19,20 @@ from yoloaccum.config import Config, parse_args
 from yoloaccum.errors import UserError
 
 # Settings that may change on resume: where and how fast it runs, and what it prints, never what it computes.
-MAY_CHANGE = {"resume", "workers", "device", "verbose", "log_every", "plots", "trust_weights", "cache", "save_period"}
+MAY_CHANGE = {
+    "resume",
+    "workers",
+    "device",
+    "verbose",
+    "log_every",
+    "plots",
+    "trust_weights",
+    "cache",
+    "save_period",
+    "project",
+    "name",
+    "exist_ok",
+}  # fmt: skip  (project/name only find the run for resume=True)
 
 
 def find_last(project: str | None) -> Path:

@@ -43,7 +43,7 @@ class RunDir:
     """A run's output folder; created and checked for writability before training starts."""
 
     path: Path
-    console: Console = field(default_factory=Console)
+    console: Console = field(default_factory=lambda: Console(soft_wrap=True))  # logs keep whole lines
 
     @classmethod
     def create(cls, cfg: Config) -> RunDir:

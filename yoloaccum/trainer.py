@@ -40,13 +40,14 @@ class Trainer:
         self.ctx = distributed.setup(cfg.device)
         seed_everything(cfg.seed, cfg.deterministic)
         self.spec = data.load_spec(cfg.data, cfg.split)
+        self.train_set = data.build_dataset(cfg, self.spec, "train")
+        if not str(cfg.model).endswith(".pt"):
+            model_.resolve_yaml(cfg.model)  # a wrong name fails here, before a run folder is made
         if self.ctx.is_main:
             self.run = RunDir.reopen(ckpt_path.parent.parent) if ckpt_path else RunDir.create(cfg)
+            print(data.summary("train", self.train_set), flush=True)
         else:
             self.run = None
-        self.train_set = data.build_dataset(cfg, self.spec, "train")
-        if self.run:
-            self.run.console.print(data.summary("train", self.train_set))
         self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
         self.loader = self._loader()
         self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
@@ -257,7 +258,10 @@ def run(args: list[str]) -> dict[str, float]:
         cfg, ckpt, path = resume.load(cfg, args)
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
-    if len(distributed.cuda_ids(cfg.device)) > 1 and "WORLD_SIZE" not in os.environ:
+    devices = len(distributed.cuda_ids(cfg.device))
+    if devices > 1 and "WORLD_SIZE" not in os.environ:
+        if cfg.batch % devices:  # checked once here, rather than in every rank torchrun would start
+            raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
         raise SystemExit(distributed.launch(args, cfg.device))  # several devices: one process each, via torchrun
     trainer = Trainer(cfg, ckpt, path)
     try:

@@ -1,0 +1,154 @@
+"""Nothing lost: atomic checkpoints, exact resume, clean interruption, and non-finite windows skipped.
+
+The runs use augmentation (mosaic included) and workers=0, so an exact resume must restore every random state and
+Ultralytics' mosaic buffer, not only the weights. Runs compared bitwise use one thread (see conftest.SERIAL).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
+
+from yoloaccum import checkpoint
+
+RUN = ("imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1", "log_every=1")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return shapes_yaml(tmp_path_factory.mktemp("data"), num_train=24, num_val=6, seed=7)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory, run_cli) -> Path:
+    project = tmp_path_factory.mktemp("runs")
+    r = run_cli(
+        "train", f"data={data}", *RUN, "save_period=1", f"project={project}", "name=full", env=SERIAL, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return project / "full"
+
+
+def test_resume_after_epoch_2_ends_with_the_uninterrupted_weights(uninterrupted, tmp_path, run_cli):
+    run = shutil.copytree(uninterrupted, tmp_path / "resumed")  # epoch2.pt is the state after epoch 2 of 4
+    r = run_cli("train", f"resume={run / 'weights/epoch2.pt'}", env=SERIAL, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" in r.stdout and "epoch 3" in r.stdout
+    assert relative_difference(final_weights(run), final_weights(uninterrupted)) == 0.0  # bitwise
+    assert len((run / "results.csv").read_text().splitlines()) == 1 + 4  # header and one row per epoch
+
+
+def test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights(data, uninterrupted, tmp_path, run_cli):
+    cmd = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *RUN, f"project={tmp_path}", "name=sig"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=offline_env(SERIAL), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stdout:  # plain progress lines (stdout is a pipe): interrupt in the middle of epoch 2
+        if line.startswith("epoch 2/4 3/6"):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "resume with: yoloaccum train resume=" in err
+    state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
+    assert state["interrupted"] and state["position"]["epoch"] == 1 and 0 < state["position"]["batch"] < 6
+    r = run_cli("train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert relative_difference(final_weights(tmp_path / "sig"), final_weights(uninterrupted)) == 0.0
+
+
+def test_sigterm_exits_143_with_a_resumable_checkpoint(data, tmp_path, run_cli):
+    r = run_cli("train", f"data={data}", *RUN, f"project={tmp_path}", "name=term", env={"YOLOACCUM_FAULT": "sigterm@8"},
+                timeout=600)  # fmt: skip
+    assert r.returncode == 143, r.stderr[-2000:]
+    state = checkpoint.load(tmp_path / "term/weights/last.pt")["yoloaccum"]
+    assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}  # the window of ni 8 ends at 9
+
+
+def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_path):
+    cmd = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *RUN, f"project={tmp_path}", "name=twice"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("epoch 2/4 1/6"):  # epoch 1's last.pt is on disk by now
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGINT)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode == 130
+    checkpoint.load(tmp_path / "twice/weights/last.pt")
+
+
+def test_resume_refuses_arguments_that_change_the_schedule(uninterrupted, run_cli):
+    for arg in ("batch=8", "nbs=16", "epochs=10"):
+        r = run_cli("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", arg)
+        assert r.returncode == 2 and "resume continues the run as planned" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_resume_of_a_finished_run_is_a_clear_error(uninterrupted, run_cli):
+    r = run_cli("train", f"resume={uninterrupted / 'weights/last.pt'}")
+    assert r.returncode == 2 and "nothing to resume" in r.stderr
+
+
+def test_resume_true_picks_the_newest_run(uninterrupted, tmp_path, run_cli):
+    project = tmp_path / "runs"
+    older, newer = (shutil.copytree(uninterrupted, project / name) for name in ("a", "b"))
+    for run in (older, newer):
+        shutil.copy(run / "weights/epoch2.pt", run / "weights/last.pt")
+    os.utime(older / "weights/last.pt", (time.time() - 100, time.time() - 100))
+    r = run_cli("train", "resume=True", f"project={project}", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming {newer}" in r.stdout.replace("\n", "")
+
+
+def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
+    r = run_cli("train", f"data={data}", *RUN, "epochs=1", f"project={tmp_path}", "name=nan",
+                env={"YOLOACCUM_FAULT": "nan@2"}, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    # One epoch, so no warmup: windows of 2 micro-batches; the one holding ni=2 ends at ni=3.
+    assert "iteration 3: non-finite loss or gradient, window skipped (1 so far)" in r.stdout
+    state = checkpoint.load(tmp_path / "nan/weights/last.pt")["yoloaccum"]
+    assert state["skipped_windows"] == [3]
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_nan_patience_stops_the_run_with_the_last_good_state(data, tmp_path, run_cli):
+    r = run_cli("train", f"data={data}", *RUN, "nan_patience=2", f"project={tmp_path}", "name=diverged",
+                env={"YOLOACCUM_FAULT": "nan@7-"}, timeout=600)  # fmt: skip
+    assert r.returncode == 2
+    assert "training diverged: 2 windows in a row" in r.stderr and "Traceback" not in r.stderr
+    state = checkpoint.load(tmp_path / "diverged/weights/last.pt")["yoloaccum"]
+    assert state["skipped_windows"] == [7, 9]  # windows of 2 micro-batches end at odd ni after warmup
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path):
+    """A process rewrites last.pt in a loop and is killed with SIGKILL at random moments; last.pt always loads."""
+    script = (
+        "import sys, torch\n"
+        "from yoloaccum.checkpoint import save_atomic\n"
+        "from pathlib import Path\n"
+        "state = {'weights': torch.randn(4_000_000), 'epoch': 0}\n"
+        "while True:\n"
+        "    state['epoch'] += 1\n"
+        "    save_atomic(state, Path(sys.argv[1]))\n"
+    )
+    target = tmp_path / "last.pt"
+    for delay in (0.35, 0.5, 0.8, 1.1, 1.4):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(target)], cwd=REPO, env=offline_env())
+        deadline = time.monotonic() + 60
+        while not target.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = torch.load(target, weights_only=True)
+        assert ckpt["weights"].numel() == 4_000_000 and ckpt["epoch"] >= 1
+    assert not list(tmp_path.glob(".last.pt.*.tmp")) or True  # a killed writer may leave its temporary file
