@@ -29,8 +29,8 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: install
-	$(BIN)/ruff check yoloaccum tests
-	$(BIN)/ruff format --check yoloaccum tests
+	$(BIN)/ruff check yoloaccum tests benchmarks
+	$(BIN)/ruff format --check yoloaccum tests benchmarks
 
 format: install
 	$(BIN)/ruff format yoloaccum tests
@@ -42,3 +42,8 @@ clean:
 # Benchmarks: not part of `make test`; they write benchmarks/results*.{md,json}.
 bench-ddp: install
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py
+bench: install
+	$(BIN)/python benchmarks/bench.py
+
+bench-smoke: install
+	$(BIN)/python benchmarks/bench.py --smoke

@@ -84,6 +84,10 @@ class Results:
 
     def append(self, row: dict[str, float]) -> None:
         new = not self.file.exists()
+        if not new:
+            with self.file.open() as f:
+                header = f.readline().strip().split(",")
+            assert header == list(row), f"results.csv columns changed: {header} -> {list(row)}"
         with self.file.open("a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(row))
             if new:

@@ -23,7 +23,7 @@ from yoloaccum.errors import UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
 from yoloaccum.runs import RunDir, seed_everything
 from yoloaccum.signals import GracefulStop, Interrupted
-from yoloaccum.validate import Evaluator, metrics_table
+from yoloaccum.validate import METRIC_KEYS, Evaluator, metrics_table
 
 
 class Trainer:
@@ -71,7 +71,9 @@ class Trainer:
         self.optimizer = self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
         self.evaluator = Evaluator(cfg, self.spec, self.run.path, cfg.batch * 2, self.ctx.device) if self.run else None
-        self.best_fitness, self.metrics, self.mosaic_closed = None, {}, False
+        # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
+        self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
+        self.best_fitness, self.mosaic_closed = None, False
         self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
@@ -238,7 +240,8 @@ class Trainer:
         self.engine.scaler.load_state_dict(state["scaler"])
         self.stopper.best_fitness = state["stopper"]["best_fitness"]
         self.stopper.best_epoch = state["stopper"]["best_epoch"]
-        self.best_fitness, self.metrics = ckpt["best_fitness"], dict(ckpt.get("train_metrics") or {})
+        self.best_fitness = ckpt["best_fitness"]
+        self.metrics.update(ckpt.get("train_metrics") or {})
         self.engine.skipped = list(state["skipped_windows"])
         self.position = (state["position"]["epoch"], state["position"]["batch"])
         for _ in range(self.position[0]):  # E2ELoss decays its one-to-many gain once per finished epoch

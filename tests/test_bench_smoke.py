@@ -1,0 +1,31 @@
+"""The benchmark scripts in their reduced form, so they cannot rot: they run and produce numbers (not how fast)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, offline_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_smoke_produces_every_figure():
+    r = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke"], cwd=REPO, env=offline_env(),
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout[: r.stdout.index("\n}\n") + 2])
+    row = report["vs_ultralytics"][0]
+    assert row["yoloaccum_img_s"] > 0 and row["ultralytics_img_s"] > 0 and row["fraction_of_bare_limit"] > 0
+    assert len(report["memory_mb"]) == 3 and all(v > 0 for v in report["memory_mb"].values())
+    assert report["accumulation"]["seconds_per_image_acc1"] > 0 and report["data_pipeline_img_s"] > 0
+
+
+def test_bench_ddp_quick_counts_one_all_reduce_per_window():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "benchmarks/ddp.py",
+           "--quick"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| 8 |")).split("|")
+    with_no_sync, every_micro_batch = float(row[5]), float(row[6])
+    assert every_micro_batch == 8 * with_no_sync  # the same buckets, once per micro-batch instead of once per window
