@@ -63,6 +63,16 @@ def test_best_pt_opens_in_ultralytics_and_predicts(smoke_run):
     assert results[0].boxes.xyxy.shape[1] == 4
 
 
+def test_best_pt_validates_and_exports_in_ultralytics(smoke_run, smoke_data, tmp_path):
+    from ultralytics import YOLO
+
+    metrics = YOLO(smoke_run / "weights/best.pt").val(data=str(smoke_data), imgsz=64, batch=4, plots=False,
+                                                       project=str(tmp_path), verbose=False)  # fmt: skip
+    assert 0 <= metrics.box.map50 <= 1
+    exported = YOLO(smoke_run / "weights/best.pt").export(format="torchscript", imgsz=64)
+    assert Path(exported).is_file()
+
+
 def test_val_command_prints_metrics(smoke_run, smoke_data, run_cli):
     r = run_cli("val", f"model={smoke_run / 'weights/best.pt'}", f"data={smoke_data}", "imgsz=64", "batch=4")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -23,11 +23,17 @@ def trained(tmp_path_factory, run_cli):
 
 
 @pytest.mark.slow
-def test_metrics_agree_with_ultralytics_validator(trained):
+def test_metrics_agree_with_ultralytics_validator(trained, tmp_path):
     from ultralytics.models.yolo.detect import DetectionValidator
 
+    from yoloaccum import checkpoint
+
     weights, dataset = trained
-    ours = validate.run([f"model={weights}", f"data={dataset}", "imgsz=96", "batch=8"])
+    # The same weights: the half-precision EMA that Ultralytics loads (yoloaccum val uses the exact fp32 copy).
+    model = checkpoint.load(weights)["ema"].float().fuse(verbose=False)
+    cfg = config.resolve([f"data={dataset}", "imgsz=96", "batch=8"])
+    evaluator = validate.Evaluator(cfg, data.load_spec(dataset), tmp_path, 8, torch.device("cpu"))
+    ours = evaluator.evaluate(model)
     args = dict(model=str(weights), data=str(dataset), imgsz=96, batch=8, conf=0.001, iou=0.7, plots=False,
                 device="cpu", verbose=False)  # fmt: skip
     theirs = DetectionValidator(args=args)()

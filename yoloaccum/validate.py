@@ -93,7 +93,7 @@ def run(args: list[str]) -> dict[str, Any]:
     if cfg.data is None:
         raise UserError("val needs a dataset: give data=dataset.yaml")
     spec = data.load_spec(cfg.data, cfg.split)
-    model = checkpoint.model_of(ckpt)
+    model = checkpoint.model_of(ckpt).fuse(verbose=False)  # Conv+BN fused, as Ultralytics validates saved weights
     if len(model.names) != spec.nc:
         raise UserError(f"{cfg.model} predicts {len(model.names)} classes but {cfg.data} has {spec.nc}")
     device = torch.device("cpu") if not torch.cuda.is_available() or cfg.device in (None, "", "cpu") else (
