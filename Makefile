@@ -33,13 +33,13 @@ lint: install
 	$(BIN)/ruff format --check yoloaccum tests benchmarks
 
 format: install
-	$(BIN)/ruff format yoloaccum tests
-	$(BIN)/ruff check --fix yoloaccum tests
+	$(BIN)/ruff format yoloaccum tests benchmarks
+	$(BIN)/ruff check --fix yoloaccum tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs datasets/shapes .pytest_cache
 
-# Benchmarks: not part of `make test`; they write benchmarks/results*.{md,json}.
+# Benchmarks write benchmarks/results*.{md,json}; `make test` runs only their reduced forms (tests/test_bench_smoke.py).
 bench-ddp: install
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py
 bench: install

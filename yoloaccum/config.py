@@ -37,11 +37,11 @@ CHOICES = {
     "split": ("val", "test"),
     "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSProp"),
 }
-_POSITIVE = {"epochs", "batch", "nbs", "imgsz", "clip_grad", "nan_patience", "log_every", "max_det", "lrf"}
+_POSITIVE = {"epochs", "batch", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf"}
 _NON_NEGATIVE = {
-    "lr0", "momentum", "weight_decay", "warmup_epochs", "warmup_momentum", "warmup_bias_lr", "workers", "patience",
-    "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
-    "perspective",
+    "lr0", "momentum", "weight_decay", "nan_patience", "warmup_epochs", "warmup_momentum", "warmup_bias_lr",
+    "workers", "patience", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s", "hsv_v", "degrees",
+    "translate", "scale", "shear", "perspective",
 }  # fmt: skip
 _PROBABILITIES = {"flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix", "fraction", "conf", "iou"}
 _DERIVED = {
@@ -92,6 +92,8 @@ class Config(Mapping[str, Any]):
         object.__setattr__(self, "ignored", tuple(ignored))  # Ultralytics keys in a recipe that yoloaccum ignores
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not a key; also keeps copy and pickle from recursing before __init__
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:
@@ -111,6 +113,9 @@ class Config(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Config({self._values!r})"
+
+    def __reduce__(self):
+        return Config, (dict(self._values), self.ignored)
 
     def replace(self, **changes: Any) -> Config:
         """A validated copy with some keys changed."""

@@ -95,6 +95,16 @@ def all_reduce_sum(t: torch.Tensor, ctx: Context) -> torch.Tensor:
     return t
 
 
+@contextlib.contextmanager
+def main_first(ctx: Context):
+    """Rank 0 runs the block first (it may write files, like a dataset's label cache), then the other ranks."""
+    if not ctx.is_main:
+        barrier(ctx)
+    yield
+    if ctx.is_main:
+        barrier(ctx)
+
+
 def barrier(ctx: Context) -> None:
     if ctx.world_size > 1:
         dist.barrier()

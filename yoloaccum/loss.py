@@ -98,7 +98,8 @@ class WindowLoss:
                 # vec is S / max(T, 1): multiplying by the (constant) max(T, 1) leaves S, the unnormalised sum.
                 loss = loss + b.weight() * vec.sum() * b.tss.last.clamp(min=1)
         ts = [b.tss.last for b in self.branches]
-        counts = torch.stack([ts[0].new_tensor(float(num_images)), *ts])
+        images = torch.full((), float(num_images), device=ts[0].device)  # a fill, not a host-to-device copy: no sync
+        counts = torch.stack([images, *ts])
         return loss, torch.stack(list(items.values())), counts
 
     def normalise_gradients(self, window_counts: torch.Tensor, world: int) -> None:

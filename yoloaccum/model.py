@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from yoloaccum import checkpoint
@@ -34,22 +33,22 @@ def build(cfg: Config, spec: DatasetSpec, verbose: bool = False, announce: bool 
     """The model to train: from cfg.model (YAML or .pt), sized for the dataset, with cfg.pretrained weights loaded."""
     from ultralytics.nn.tasks import DetectionModel
 
-    source = None
+    source, source_path = None, None
     if str(cfg.model).endswith(".pt"):
-        source = checkpoint.model_of(checkpoint.load(cfg.model, cfg.trust_weights))
+        source, source_path = checkpoint.model_of(checkpoint.load(cfg.model, cfg.trust_weights)), cfg.model
         model = DetectionModel(source.yaml, nc=spec.nc, verbose=verbose)
     else:
         model = DetectionModel(resolve_yaml(cfg.model), nc=spec.nc, verbose=verbose)
     model.names = dict(spec.names)
     model.args = ultralytics_args(cfg)  # the loss reads its gains (box, cls, dfl) and epochs from here
     if isinstance(cfg.pretrained, str):
-        source = checkpoint.model_of(checkpoint.load(cfg.pretrained, cfg.trust_weights))
+        source, source_path = checkpoint.model_of(checkpoint.load(cfg.pretrained, cfg.trust_weights)), cfg.pretrained
     if source is not None:
         matched, total = load_matching(model, source)
         if not matched:
-            raise UserError(f"no tensor of {cfg.pretrained or cfg.model} matches {cfg.model}; check the architecture")
+            raise UserError(f"no tensor of {source_path} matches {cfg.model}; check the architecture")
         if announce:
-            print(f"pretrained: transferred {matched}/{total} tensors from {cfg.pretrained or cfg.model}")
+            print(f"pretrained: transferred {matched}/{total} tensors from {source_path}")
     return model
 
 
@@ -67,7 +66,3 @@ def set_bn_mode(model: nn.Module, bn: str) -> None:
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
-
-
-def device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ class EpochProgress:
         self.console = console or Console()
         self.interactive = enabled and self.console.is_terminal
         self.loss_sum: torch.Tensor | None = None
-        self.images, self.start = 0, time.perf_counter()
+        self.images, self.count, self.start = 0, 0, time.perf_counter()  # count: micro-batches seen (a resume skips)
         self.bar: Progress | None = None
         if self.interactive:
             columns = (BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"))
@@ -48,7 +47,7 @@ class EpochProgress:
                lr: float) -> None:  # fmt: skip
         """Record micro-batch i (0-based); fill/accumulate is the window's progress; items are the loss terms."""
         self.loss_sum = items.detach() if self.loss_sum is None else self.loss_sum + items.detach()
-        self.images += num_images
+        self.images, self.count = self.images + num_images, self.count + 1
         if not self.enabled:
             return
         last = i + 1 == self.nb
@@ -61,7 +60,7 @@ class EpochProgress:
                   f"{self._stats(i, fill, accumulate, effective_batch, lr)}", flush=True)  # fmt: skip
 
     def _stats(self, i: int, fill: int, accumulate: int, effective_batch: int, lr: float) -> str:
-        losses = " ".join(f"{n.replace('_loss', '')}={v:.3f}" for n, v in zip(self.names, self.mean_losses(i + 1)))
+        losses = " ".join(f"{n.replace('_loss', '')}={v:.3f}" for n, v in zip(self.names, self.mean_losses(self.count)))
         return (f"window {fill}/{accumulate} eff_batch={effective_batch} lr={lr:.3g} {losses} "
                 f"{self.images_per_second():.1f} img/s mem={memory_gb(self.device):.2f}G")  # fmt: skip
 
@@ -108,7 +107,3 @@ class Results:
         from ultralytics.utils.plotting import plot_results
 
         plot_results(file=self.file)  # matplotlib only: draws every *loss* and metrics/* column
-
-
-def is_terminal() -> bool:
-    return sys.stdout.isatty()

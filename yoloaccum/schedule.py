@@ -99,8 +99,9 @@ class Schedule:
         return target
 
     def momentum_at(self, ni: int) -> float:
+        """Momentum at ni; as in Ultralytics, Adam-family betas are not ramped (their groups have no momentum)."""
         nw = self.warmup_iterations
-        if nw and ni <= nw:
+        if nw and ni <= nw and self.optimizer not in {"Adam", "Adamax", "AdamW", "NAdam", "RAdam"}:
             return float(np.interp(ni, [0, nw], [self.warmup_momentum, self.momentum]))
         return self.momentum
 

@@ -38,9 +38,11 @@ class Trainer:
 
         self.cfg = cfg
         self.ctx = distributed.setup(cfg.device)
-        seed_everything(cfg.seed, cfg.deterministic)
-        self.spec = data.load_spec(cfg.data, cfg.split)
-        self.train_set = data.build_dataset(cfg, self.spec, "train")
+        # Augmentation draws differ per rank, as in Ultralytics; DDP broadcasts rank 0's initial weights.
+        seed_everything(cfg.seed + self.ctx.rank, cfg.deterministic)
+        with distributed.main_first(self.ctx):  # rank 0 generates shapes and writes the label cache; then the others
+            self.spec = data.load_spec(cfg.data, cfg.split)
+            self.train_set = data.build_dataset(cfg, self.spec, "train")
         if not str(cfg.model).endswith(".pt"):
             model_.resolve_yaml(cfg.model)  # a wrong name fails here, before a run folder is made
         if self.ctx.is_main:
@@ -70,7 +72,8 @@ class Trainer:
         )
         self.optimizer = self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
-        self.evaluator = Evaluator(cfg, self.spec, self.run.path, cfg.batch * 2, self.ctx.device) if self.run else None
+        val_batch = self.schedule.micro_batch * 2  # rank 0 validates alone, on one device
+        self.evaluator = Evaluator(cfg, self.spec, self.run.path, val_batch, self.ctx.device) if self.run else None
         # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
         self.best_fitness, self.mosaic_closed = None, False
@@ -132,10 +135,11 @@ class Trainer:
             skipped = self.engine.skipped[-self.cfg.nan_patience :]
             raise UserError(
                 f"training diverged: {self.cfg.nan_patience} windows in a row had a non-finite loss or gradient "
-                f"(iterations {', '.join(map(str, skipped))}); {weights} holds the last good state; lower lr0, "
-                "raise clip_grad's strictness or check the data"
+                f"(iterations {', '.join(map(str, skipped))}); {weights} holds the last good state; lower lr0 "
+                "or clip_grad, or check the data"
             )
-        raise Interrupted(stop_signal.signum, f"stopped; resume with: yoloaccum train resume={weights}")
+        hint = f"; resume with: yoloaccum train resume={weights}" if Path(weights).exists() else " (save=False)"
+        raise Interrupted(stop_signal.signum, f"stopped{hint}")
 
     @property
     def loss_names(self) -> tuple[str, ...]:
@@ -194,7 +198,7 @@ class Trainer:
 
     def save_position(self, epoch: int, done: int) -> None:
         """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
-        if self.run is not None:
+        if self.run is not None and self.cfg.save:
             checkpoint.save_atomic(self.state((epoch, done), interrupted=True), self.run.weights / "last.pt")
         distributed.barrier(self.ctx)
 
@@ -266,6 +270,8 @@ def run(args: list[str]) -> dict[str, float]:
         if cfg.batch % devices:  # checked once here, rather than in every rank torchrun would start
             raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
         raise SystemExit(distributed.launch(args, cfg.device))  # several devices: one process each, via torchrun
+    if cfg.ignored and int(os.environ.get("RANK", "0")) == 0:
+        print(f"ignoring Ultralytics settings that yoloaccum does not use: {', '.join(cfg.ignored)}", flush=True)
     trainer = Trainer(cfg, ckpt, path)
     try:
         metrics = trainer.train()
