@@ -25,21 +25,11 @@ from yoloaccum.engine import Engine
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import make_batches  # noqa: E402
+
 OUT = Path(__file__).resolve().parent / "results_ddp.json"
 MICRO, IMGSZ, MODEL = 4, 96, "yolo11n.yaml"
-
-
-def synthetic_batch(n: int, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    per_image = torch.randint(1, 5, (n,), generator=g)
-    idx = torch.repeat_interleave(torch.arange(n), per_image).float()
-    k = int(per_image.sum())
-    return {
-        "img": torch.rand(n, 3, IMGSZ, IMGSZ, generator=g),
-        "batch_idx": idx,
-        "cls": torch.randint(0, 3, (k, 1), generator=g).float(),
-        "bboxes": torch.cat([torch.rand(k, 2, generator=g) * 0.6 + 0.2, torch.rand(k, 2, generator=g) * 0.2 + 0.1], 1),
-    }
 
 
 def engine_for(ctx, accumulate: int, windows: int, no_sync: bool) -> tuple[Engine, list[int]]:
@@ -48,9 +38,9 @@ def engine_for(ctx, accumulate: int, windows: int, no_sync: bool) -> tuple[Engin
     batch = MICRO * ctx.world_size
     cfg = config.resolve(overrides=dict(batch=batch, nbs=batch * accumulate, epochs=1, warmup_epochs=0,
                                         optimizer="SGD", imgsz=IMGSZ))  # fmt: skip
-    s = schedule.build(cfg, num_images=batch * accumulate * windows, world_size=ctx.world_size, nc=3)
+    s = schedule.build(cfg, num_images=batch * accumulate * windows, world_size=ctx.world_size, nc=4)
     torch.manual_seed(0)
-    raw = DetectionModel(MODEL, nc=3, verbose=False).to(ctx.device)
+    raw = DetectionModel(MODEL, nc=4, verbose=False).to(ctx.device)
     raw.args = ultralytics_args(cfg)
     loss = WindowLoss(raw, "window")
     ddp = distributed.wrap(raw, ctx, "batch")
@@ -70,7 +60,7 @@ def engine_for(ctx, accumulate: int, windows: int, no_sync: bool) -> tuple[Engin
 def measure(ctx, accumulate: int, no_sync: bool, windows: int) -> tuple[float, float]:
     """Seconds per optimizer step and gradient all-reduce calls (buckets) per step, after one warm-up window."""
     engine, calls = engine_for(ctx, accumulate, windows + 1, no_sync)
-    batches = [synthetic_batch(MICRO, seed=i * ctx.world_size + ctx.rank) for i in range(accumulate * (windows + 1))]
+    batches = make_batches(accumulate * (windows + 1), MICRO, IMGSZ, seed=ctx.rank)  # each rank its own images
     start = [0.0]
 
     def after_warm_up(i, *_):  # the first window builds DDP's buckets and warms the kernels: not timed

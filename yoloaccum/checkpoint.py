@@ -19,11 +19,13 @@ import torch
 from yoloaccum.errors import UserError
 
 
-def save_atomic(obj: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: a kill leaves the old file or the new one."""
+def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
+    """Serialise once, then write each path atomically: a temporary file in the same folder, fsync, rename. A kill
+    leaves the old file or the new one, never a truncated one."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    write_bytes_atomic(buffer.getvalue(), path)
+    for path in paths:
+        write_bytes_atomic(buffer.getvalue(), path)
 
 
 def write_bytes_atomic(data: bytes, path: Path) -> None:

@@ -188,13 +188,11 @@ class Trainer:
         """last.pt after every epoch (and best.pt when fitness improved), in Ultralytics' layout."""
         if not self.cfg.save:
             return
-        ckpt = self.state((epoch + 1, 0), finished=finished)
         w = self.run.weights
-        checkpoint.save_atomic(ckpt, w / "last.pt")
-        if best:
-            checkpoint.save_atomic(ckpt, w / "best.pt")
+        paths = [w / "last.pt", *([w / "best.pt"] if best else [])]
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
-            checkpoint.save_atomic(ckpt, w / f"epoch{epoch + 1}.pt")
+            paths.append(w / f"epoch{epoch + 1}.pt")
+        checkpoint.save_atomic(self.state((epoch + 1, 0), finished=finished), *paths)
 
     def save_position(self, epoch: int, done: int) -> None:
         """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
