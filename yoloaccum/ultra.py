@@ -2,6 +2,10 @@
 
 Ultralytics downloads fonts, weights and datasets, sends analytics and pip-installs missing packages by default.
 yoloaccum never does any of that: these switches are set in-process before the first `import ultralytics`.
+
+Ultralytics also sets OMP_NUM_THREADS=1 in the environment when it is imported. A torch imported after that, and every
+process started later (torchrun's ranks, DataLoader workers, subprocesses), would then compute on one thread: half
+the speed on two cores. So torch is imported first, and the variable is removed again unless the user had set it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,17 @@ from typing import Any
 os.environ.setdefault("YOLO_OFFLINE", "1")  # is_online() -> False: no analytics, no hub, no update checks
 os.environ.setdefault("YOLO_AUTOINSTALL", "false")  # never pip-install a missing requirement at run time
 os.environ.setdefault("YOLO_VERBOSE", "false")  # yoloaccum prints its own progress
+_USER_THREADS = os.environ.get("OMP_NUM_THREADS")
 
+import torch  # noqa: E402, F401  (before ultralytics, which sets OMP_NUM_THREADS=1)
 import ultralytics  # noqa: E402
 from ultralytics.cfg import get_cfg  # noqa: E402
 from ultralytics.utils import checks, plotting  # noqa: E402
 
 from yoloaccum.config import Config, ultralytics_defaults  # noqa: E402
+
+if _USER_THREADS is None:
+    os.environ.pop("OMP_NUM_THREADS", None)
 
 VERSION = ultralytics.__version__
 
