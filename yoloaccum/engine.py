@@ -43,6 +43,7 @@ class Engine:
     scaler: torch.amp.GradScaler
     ema: Any = None  # ultralytics ModelEMA, or None
     amp: bool = False
+    channels_last: bool = False  # feed images in the layout of a model converted with .to(memory_format=...)
     no_sync: bool = True  # False all-reduces after every micro-batch, as Ultralytics does (for benchmarks)
     nan_patience: int = 0  # stop after this many consecutive skipped windows; 0 never stops
     log: Callable[[str], None] = lambda message: None
@@ -91,6 +92,8 @@ class Engine:
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
         img = batch["img"].to(self.ctx.device, non_blocking=True)
+        if self.channels_last:  # converted as uint8, the cheaper copy; float() and / keep the layout
+            img = img.contiguous(memory_format=torch.channels_last)
         batch["img"] = img.float() / 255 if img.dtype == torch.uint8 else img
         with torch.autocast(self.ctx.device.type, enabled=self.amp):
             preds = self.model(batch["img"])

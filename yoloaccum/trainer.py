@@ -53,6 +53,8 @@ class Trainer:
         self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
         self.loader = self._loader()
         self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
+        if cfg.channels_last:  # NHWC convolutions: 1.27x forward + backward on this CPU (benchmarks/results.md)
+            self.raw_model.to(memory_format=torch.channels_last)
         self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
         amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
@@ -67,6 +69,7 @@ class Trainer:
             scaler=torch.amp.GradScaler("cuda", enabled=amp),
             ema=self.ema,
             amp=amp,
+            channels_last=cfg.channels_last,
             nan_patience=cfg.nan_patience,
             log=self.run.console.print if self.run else (lambda message: None),
         )
