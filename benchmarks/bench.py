@@ -1,11 +1,12 @@
 """The benchmark suite: yoloaccum against Ultralytics' own trainer and against the bare model, memory, accumulation
 overhead and the data pipeline.
 
-    python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (several minutes)
+    python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 20 minutes)
     python benchmarks/bench.py --smoke    # a few iterations of everything, to keep the scripts working (CI)
 
-Every comparison alternates its contenders within each repeat, so machine noise hits both alike, and reports the
-median over the repeats.
+These machines are noisy, so nothing is compared across time: each repeat runs every contender back to back, each
+ratio is taken within a repeat, and the report gives the median over the repeats. Trainers and the bare limit run in
+fresh processes, so none inherits another's threads, caches or memory. On CUDA everything runs with AMP.
 """
 
 from __future__ import annotations
@@ -25,76 +26,98 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import SHAPES_YAML, engine_for, make_batches, shapes_data  # noqa: E402
+from common import (  # noqa: E402
+    AMP,
+    CUDA,
+    SHAPES_YAML,
+    TRAIN_ARGS,
+    engine_for,
+    make_batches,
+    on_device,
+    shapes_data,
+    synchronize,
+)
+
+median = statistics.median
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
+def command(function: str, *args) -> list[str]:
+    """A fresh Python process that prints common.function(*args) as JSON on its last line."""
+    code = f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import common; "
+    return [sys.executable, "-c", code + f"print(json.dumps(common.{function}(*{args!r})))"]
 
 
-def trainer_throughput(trainer: str, model: str, data: Path, imgsz: int, epochs: int, fraction: float) -> float:
-    """Images/s of the last epoch (steady state: the first one warms up), in a fresh process."""
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from common import {trainer}_images_per_second as f; "
-    code += f"print(f({model!r}, {str(data)!r}, {imgsz}, {epochs}, {fraction}))"  # a fresh process: a fair start
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return float(out.strip().splitlines()[-1])
+def fresh(function: str, *args):
+    r = subprocess.run(command(function, *args), capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{function}{args} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def vs_ultralytics(models, data, imgsz, repeats, epochs, fraction) -> list[dict]:
+def throughput(models, data: str, imgsz: int, micro: int, repeats: int, epochs: int, fraction: float,
+               iterations: int) -> list[dict]:  # fmt: skip
+    """(a) and (b): each repeat runs the bare limit, yoloaccum's trainer and Ultralytics' trainer back to back."""
     rows = []
     for model in models:
-        ours, theirs = [], []
-        for _ in range(repeats):  # alternate
-            ours.append(trainer_throughput("yoloaccum", model, data, imgsz, epochs, fraction))
-            theirs.append(trainer_throughput("ultralytics", model, data, imgsz, epochs, fraction))
-        row = {"model": model, "yoloaccum_img_s": median(ours), "ultralytics_img_s": median(theirs)}
-        rows.append({**row, "ratio": median(ours) / median(theirs), "runs": {"yoloaccum": ours, "ultralytics": theirs}})
+        runs = {"yoloaccum": [], "ultralytics": [], "bare_limit": []}
+        for _ in range(repeats):  # yoloaccum in the middle: next to both of the runs it is compared with
+            runs["bare_limit"].append(fresh("bare_limit", model, data, imgsz, micro, iterations))
+            runs["yoloaccum"].append(fresh("yoloaccum_images_per_second", model, data, imgsz, epochs, fraction))
+            runs["ultralytics"].append(fresh("ultralytics_images_per_second", model, data, imgsz, epochs, fraction))
+        ours, theirs = [r["img_s"] for r in runs["yoloaccum"]], [r["img_s"] for r in runs["ultralytics"]]
+        bare = runs["bare_limit"]
+        ran_with = {
+            name: {k: runs[name][0][k] for k in ("threads", "workers")} for name in ("yoloaccum", "ultralytics")
+        }
+        rows.append({
+            "model": model,
+            "yoloaccum_img_s": median(ours),
+            "ultralytics_img_s": median(theirs),
+            "bare_limit_img_s": median(bare),
+            "ratio": median(o / t for o, t in zip(ours, theirs)),
+            "fraction_of_bare_limit": median(o / b for o, b in zip(ours, bare)),
+            "ran_with": ran_with,
+            "runs": runs,
+        })  # fmt: skip
     return rows
 
 
-def bare_limit(model: str, imgsz: int, micro: int, iterations: int) -> float:
-    """Forward + loss + backward on batches already in memory: no data loading, no logging, no optimizer."""
-    engine = engine_for(model, imgsz, batch=micro, nbs=micro, num_batches=iterations)
-    batches = make_batches(iterations + 2, micro, imgsz)
-    engine.raw_model.train()
-    for b in batches[:2]:  # warm-up
-        engine.loss(engine.raw_model(b["img"]), b)[0].backward()
-    start = time.perf_counter()
-    for b in batches[2:]:
-        engine.loss(engine.raw_model(b["img"]), b)[0].backward()
-    return iterations * micro / (time.perf_counter() - start)
+def accumulation_overhead(model: str, imgsz: int, micro: int, pairs: int) -> dict:
+    """(d) Time per image at accumulate 8 against accumulate 1, on the same 8 micro-batches held in memory.
 
-
-def accumulation_overhead(model: str, imgsz: int, micro: int, windows: int, repeats: int) -> dict:
-    """Seconds per image with accumulate 8 against accumulate 1: the same micro-batches from memory, after a warm-up
-    window that is not timed."""
+    Two engines, one per accumulate, take turns: one window of 8 micro-batches against 8 windows of 1. The overhead
+    is the median over the pairs of their time ratio; the first pair warms up and is not counted, and the order
+    within a pair alternates.
+    """
+    batches = on_device(make_batches(8, micro, imgsz))
+    engines = {acc: engine_for(model, imgsz, micro, micro * acc, num_batches=8, epochs=pairs + 1) for acc in (1, 8)}
     times = {1: [], 8: []}
-    for _ in range(repeats):
-        for acc in (1, 8):  # alternate
-            n = 8 * windows + acc
-            engine = engine_for(model, imgsz, batch=micro, nbs=micro * acc, num_batches=n)
-            start = [0.0]
+    for epoch in range(pairs + 1):
+        for acc in (1, 8) if epoch % 2 else (8, 1):
+            synchronize()
+            start = time.perf_counter()
+            engines[acc].train_epoch(epoch, [dict(b) for b in batches])
+            synchronize()
+            if epoch:
+                times[acc].append(time.perf_counter() - start)
+    images = 8 * micro
+    return {
+        "seconds_per_image_acc1": median(times[1]) / images,
+        "seconds_per_image_acc8": median(times[8]) / images,
+        "overhead": median(t8 / t1 for t1, t8 in zip(times[1], times[8])) - 1,
+        "pairs": pairs,
+    }  # fmt: skip
 
-            def after_warm_up(i, *_, acc=acc, start=start):
-                if i == acc - 1:
-                    start[0] = time.perf_counter()
 
-            engine.train_epoch(0, make_batches(n, micro, imgsz), after_warm_up)
-            times[acc].append((time.perf_counter() - start[0]) / (8 * windows * micro))
-    one, eight = median(times[1]), median(times[8])
-    return {"seconds_per_image_acc1": one, "seconds_per_image_acc8": eight, "overhead": eight / one - 1}
-
-
-def data_pipeline(data: Path, imgsz: int, micro: int, batches: int) -> float:
-    """Images/s of the training loader alone (augmentation on, workers as in training)."""
+def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
+    """(e) Images/s of the training loader alone: augmentation on, workers as in training, nothing consuming."""
     from yoloaccum import config
     from yoloaccum import data as data_
 
-    cfg = config.resolve(overrides=dict(data=str(data), imgsz=imgsz, batch=micro, workers=2, close_mosaic=0))
-    spec = data_.load_spec(cfg.data)
-    dataset = data_.build_dataset(cfg, spec, "train")
-    loader = data_.build_loader(dataset, cfg, micro, 0, 1, True)
-    it = iter(loader)
+    cfg = config.resolve(overrides=dict(data=data, imgsz=imgsz, batch=micro, workers=TRAIN_ARGS["workers"],
+                                        close_mosaic=0))  # fmt: skip
+    dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
+    it = iter(data_.build_loader(dataset, cfg, micro, 0, 1, True))
     next(it)  # workers start
     start, seen = time.perf_counter(), 0
     for _, b in zip(range(batches), it):
@@ -103,51 +126,43 @@ def data_pipeline(data: Path, imgsz: int, micro: int, batches: int) -> float:
 
 
 def peak_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int) -> float:
-    """Peak RSS (MB) of a fresh process that trains `steps` micro-batches from memory at batch/nbs."""
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from common import train_from_memory; "
-            f"train_from_memory({model!r}, {imgsz}, {batch}, {nbs}, {steps})")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    _, status, usage = os.wait4(proc.pid, 0)
+    """(c) Peak memory (MB) of a fresh process that trains `steps` micro-batches from memory at batch/nbs: CUDA's
+    peak allocation on CUDA, the process's max RSS on the CPU."""
+    proc = subprocess.Popen(command("train_from_memory", model, imgsz, batch, nbs, steps), stdout=subprocess.PIPE)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # wait4 rather than wait: it also returns the child's max RSS
     assert status == 0, f"memory probe failed ({status})"
-    return usage.ru_maxrss / 1024  # KiB on Linux
+    cuda_bytes = json.loads(out.decode().strip().splitlines()[-1])
+    return cuda_bytes / 2**20 if cuda_bytes is not None else usage.ru_maxrss / 1024  # ru_maxrss: KiB on Linux
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a few iterations of each, to check the scripts run")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of each comparison (default 5)")
     args = parser.parse_args()
     smoke = args.smoke
-    imgsz, micro = (64, 4) if smoke else (160, 8)
+    imgsz, micro = 64 if smoke else 160, TRAIN_ARGS["batch"]
     models = ("yolo26n.yaml",) if smoke else ("yolo26n.yaml", "yolo11n.yaml")
-    data = shapes_data(tempfile.mkdtemp() if smoke else None, smoke)
-    repeats = 1 if smoke else 2
+    data = str(shapes_data(tempfile.mkdtemp() if smoke else None, smoke))
+    repeats = 1 if smoke else args.repeats
     report = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },  # fmt: skip
-        "settings": {
-            "imgsz": imgsz,
-            "batch": micro,
-            "nbs": 64,
-            "workers": 2,
-            "amp": False,
-            "data": SHAPES_YAML,
-            "repeats": repeats,
-            "smoke": smoke,
-        },  # fmt: skip
-    }
-    report["vs_ultralytics"] = vs_ultralytics(models, data, imgsz, repeats, epochs=2, fraction=0.25 if smoke else 1.0)
-    report["bare_limit"] = [{"model": m, "img_s": bare_limit(m, imgsz, micro, 4 if smoke else 40)} for m in models]
-    for row, bare in zip(report["vs_ultralytics"], report["bare_limit"]):
-        row["fraction_of_bare_limit"] = row["yoloaccum_img_s"] / bare["img_s"]
+            "cuda": torch.cuda.get_device_name(0) if CUDA else None,
+        },
+        "settings": {**TRAIN_ARGS, "imgsz": imgsz, "batch": micro, "amp": AMP, "data": SHAPES_YAML,
+                     "repeats": repeats, "smoke": smoke},
+    }  # fmt: skip
+    report["vs_ultralytics"] = throughput(models, data, imgsz, micro, repeats, epochs=2,
+                                          fraction=0.25 if smoke else 1.0, iterations=4 if smoke else 40)  # fmt: skip
     steps = 4 if smoke else 16
     configs = ((micro, 64), (micro, micro), (64, 64))
     report["memory_mb"] = {f"batch={b} nbs={n}": peak_memory(models[0], imgsz, b, n, steps) for b, n in configs}
-    report["accumulation"] = accumulation_overhead(models[0], imgsz, micro, 1 if smoke else 4, repeats)
+    report["accumulation"] = accumulation_overhead(models[0], imgsz, micro, pairs=2 if smoke else 12)
     report["data_pipeline_img_s"] = data_pipeline(data, imgsz, micro, 4 if smoke else 64)
     print(json.dumps(report, indent=1))
     if not smoke:
@@ -157,24 +172,33 @@ def main() -> None:
 
 
 def markdown(r: dict) -> str:
-    s, m = r["settings"], r["machine"]
-    lines = [f"Measured by `make bench` on {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}; "
-             f"imgsz {s['imgsz']}, batch {s['batch']}, nbs {s['nbs']}, workers {s['workers']}, AMP off; median of "
-             f"{s['repeats']}.", "",
-             "| model | yoloaccum img/s | Ultralytics img/s | ratio | share of the bare limit |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
-    for row in r["vs_ultralytics"]:
+    s, m, rows = r["settings"], r["machine"], r["vs_ultralytics"]
+    where = f"{m['cuda']}, AMP" if m["cuda"] else f"{m['cores']} CPU cores ({m['cpu']}), fp32"
+    lines = [f"Measured by `make bench` on {where}; torch {m['torch']}, Python {m['python']}. Both trainers: imgsz "
+             f"{s['imgsz']}, batch {s['batch']}, nbs {s['nbs']}, workers {s['workers']}, cache {s['cache']}, no "
+             f"warmup, images/s of the second epoch. Median of {s['repeats']} repeats, each running every contender "
+             "back to back; ratios are taken within a repeat.", "",
+             "| model | yoloaccum img/s | Ultralytics img/s | ratio | bare limit img/s | share of the bare limit |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for row in rows:
         lines.append(f"| {row['model']} | {row['yoloaccum_img_s']:.1f} | {row['ultralytics_img_s']:.1f} | "
-                     f"{row['ratio']:.2f}x | {row['fraction_of_bare_limit']:.0%} |")  # fmt: skip
-    mem = r["memory_mb"]
+                     f"{row['ratio']:.2f}x | {row['bare_limit_img_s']:.1f} | "
+                     f"{row['fraction_of_bare_limit']:.0%} |")  # fmt: skip
+    ran = rows[0]["ran_with"]
+    lines += ["", f"They ran with: yoloaccum {ran['yoloaccum']['threads']} torch threads and "
+              f"{ran['yoloaccum']['workers']} workers; Ultralytics {ran['ultralytics']['threads']} torch thread(s) "
+              f"and {ran['ultralytics']['workers']} workers (its trainer picks these itself on the CPU)."]  # fmt: skip
+    mem, acc = r["memory_mb"], r["accumulation"]
     keys = list(mem)
-    lines += ["", "| peak memory (max RSS) | MB |", "| --- | --- |"]
+    lines += ["", "| peak memory (max RSS on the CPU, peak allocated on CUDA) | MB |", "| --- | --- |"]
     lines += [f"| {k} | {v:.0f} |" for k, v in mem.items()]
-    lines += [
-              "", f"batch {s['batch']} nbs 64 against nbs {s['batch']}: {mem[keys[0]] / mem[keys[1]]:.2f}x; "
-              f"against batch 64: {mem[keys[0]] / mem[keys[2]]:.2f}x.",  # fmt: skip
-              f"Accumulation overhead (accumulate 8 against 1, per image): {r['accumulation']['overhead']:+.1%}.",
-              f"Data pipeline alone: {r['data_pipeline_img_s']:.0f} img/s with augmentation."]  # fmt: skip
+    lines += ["", f"batch {s['batch']} nbs 64 against nbs {s['batch']}: {mem[keys[0]] / mem[keys[1]]:.2f}x; "
+              f"against batch 64: {mem[keys[0]] / mem[keys[2]]:.2f}x.",
+              f"Accumulation overhead (time per image at accumulate 8 against 1, median of {acc['pairs']} pairs): "
+              f"{acc['overhead']:+.1%}.",
+              f"Data pipeline alone: {r['data_pipeline_img_s']:.0f} img/s with augmentation, "
+              f"{r['data_pipeline_img_s'] / rows[0]['yoloaccum_img_s']:.0f}x what training at "
+              f"{rows[0]['yoloaccum_img_s']:.0f} img/s consumes."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: the data, engines on batches held in memory, and the two trainers' epochs."""
+"""Shared pieces of the benchmarks: the data, engines on batches held in memory, the bare limit and the two trainers'
+epochs. The functions a benchmark runs in a fresh process return JSON-able values."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from yoloaccum.ultra import ultralytics_args
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES_YAML = "datasets/shapes.yaml"
-CPU = distributed.Context(0, 0, 1, torch.device("cpu"))
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
+CTX = distributed.Context(0, 0, 1, DEVICE)
+AMP = CUDA  # (f): AMP on CUDA; on the CPU both trainers run fp32
+# What both trainers are given, besides model, data, imgsz and epochs. warmup_epochs=0: the measured epoch is steady
+# state, at the full accumulate (a warmup ramps accumulate from 1, hence more optimizer steps per image).
+TRAIN_ARGS = dict(batch=8, nbs=64, workers=2, cache=False, close_mosaic=0, warmup_epochs=0, val=False, plots=False,
+                  amp=AMP, device="0" if CUDA else "cpu")  # fmt: skip
 
 
 def shapes_data(folder: str | None, smoke: bool) -> Path:
@@ -50,51 +58,108 @@ def make_batches(n: int, micro: int, imgsz: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int) -> Engine:
-    """yoloaccum's engine around a fresh model, with a schedule of exactly num_batches micro-batches, no warmup."""
-    from ultralytics.nn.tasks import DetectionModel
+def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]:
+    """The first n micro-batches of the training loader (mosaic and all augmentation), held in memory."""
+    from yoloaccum import data as data_
 
-    cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=1, warmup_epochs=0, imgsz=imgsz, optimizer="SGD"))
+    cfg = config.resolve(overrides=dict(data=str(data), imgsz=imgsz, batch=micro, workers=0, close_mosaic=0))
+    dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
+    batches = []
+    while len(batches) < n:  # a small set (--smoke) may need more than one pass
+        batches += [b for _, b in zip(range(n - len(batches)), data_.build_loader(dataset, cfg, micro, 0, 1, True))]
+    return batches
+
+
+def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, epochs: int = 1) -> Engine:
+    """yoloaccum's engine around a fresh model as the trainer sets it up (channels-last, AMP on CUDA, an EMA), with a
+    schedule of num_batches micro-batches an epoch and no warmup."""
+    from ultralytics.nn.tasks import DetectionModel
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=0, imgsz=imgsz,
+                                        optimizer="SGD"))  # fmt: skip
     s = schedule.build(cfg, num_images=batch * num_batches, nc=4)
     torch.manual_seed(0)
-    raw = DetectionModel(model, nc=4, verbose=False)
+    raw = DetectionModel(model, nc=4, verbose=False).to(DEVICE, memory_format=torch.channels_last)
     raw.args = ultralytics_args(cfg)
     raw.train()
-    return Engine(raw, raw, WindowLoss(raw, "window"), optim.build_optimizer(raw, s), s, CPU, clip_grad=10.0,
-                  scaler=torch.amp.GradScaler("cuda", enabled=False))  # fmt: skip
+    ema = ModelEMA(raw)
+    return Engine(raw, raw, WindowLoss(raw, "window"), optim.build_optimizer(raw, s), s, CTX, clip_grad=10.0,
+                  scaler=torch.amp.GradScaler("cuda", enabled=AMP), ema=ema, amp=AMP, channels_last=True)  # fmt: skip
 
 
-def train_from_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int) -> None:
-    """The memory probe: `steps` micro-batches (whole windows) through the engine."""
+def on_device(batches: list[dict]) -> list[dict]:
+    """Batches moved to the device and their images made float in [0, 1], channels-last: what the model eats."""
+    out = []
+    for b in batches:
+        b = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+        img = b["img"].contiguous(memory_format=torch.channels_last)
+        b["img"] = img.float() / 255 if img.dtype == torch.uint8 else img
+        out.append(b)
+    return out
+
+
+def synchronize() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def bare_limit(model: str, data: str, imgsz: int, micro: int, iterations: int) -> float:
+    """(b) The fastest any trainer could go: the model's forward + loss + backward on the training loader's own
+    batches, already on the device. No data loading, no logging, no optimizer. Images/s."""
+    engine = engine_for(model, imgsz, batch=micro, nbs=micro, num_batches=iterations)
+    batches = on_device(real_batches(data, imgsz, micro, iterations + 2))
+    m = engine.raw_model
+    for i, b in enumerate(batches):
+        if i == 2:  # the first two warm up
+            synchronize()
+            start = time.perf_counter()
+        with torch.autocast(DEVICE.type, enabled=AMP):
+            loss = engine.loss(m(b["img"]), b)[0]
+        loss.backward()
+    synchronize()
+    return iterations * micro / (time.perf_counter() - start)
+
+
+def train_from_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int) -> float | None:
+    """The memory probe: `steps` micro-batches (whole windows) through the engine; on CUDA, the peak bytes allocated."""
     accumulate = max(round(nbs / batch), 1)
     n = max(steps // accumulate, 1) * accumulate
-    engine_for(model, imgsz, batch, nbs, n).train_epoch(0, make_batches(n, batch, imgsz))
+    engine_for(model, imgsz, batch, nbs, n).train_epoch(0, on_device(make_batches(n, batch, imgsz)))
+    return torch.cuda.max_memory_allocated() if CUDA else None
 
 
-def yoloaccum_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> float:
+def yoloaccum_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> dict:
     """yoloaccum's trainer: images/s of its last epoch, as it logs them in results.csv."""
     import csv
 
     from yoloaccum import trainer
 
     project = tempfile.mkdtemp()
-    trainer.run([f"model={model}", f"data={data}", f"imgsz={imgsz}", "batch=8", "nbs=64", f"epochs={epochs}",
-                 "workers=2", "close_mosaic=0", "val=False", "plots=False", "verbose=False", f"fraction={fraction}",
-                 f"project={project}", "name=bench"])  # fmt: skip
+    args = {**TRAIN_ARGS, "model": model, "data": data, "imgsz": imgsz, "epochs": epochs, "fraction": fraction}
+    trainer.run([f"{k}={v}" for k, v in args.items()] + ["verbose=False", f"project={project}", "name=bench"])
     with open(Path(project) / "bench/results.csv") as f:
-        return float(list(csv.DictReader(f))[-1]["images_per_second"])
+        img_s = float(list(csv.DictReader(f))[-1]["images_per_second"])
+    return {"img_s": img_s, "threads": torch.get_num_threads(), "workers": TRAIN_ARGS["workers"]}
 
 
-def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> float:
-    """Ultralytics' own trainer (YOLO.train) on the same settings: images/s of its last epoch's batch loop."""
+def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> dict:
+    """Ultralytics' own trainer (YOLO.train) on the same settings: images/s of its last epoch's batch loop.
+
+    Also what it ran with: on the CPU its trainer sets workers=0 and torch's threads to cores - 1, whatever it is told.
+    """
     from ultralytics import YOLO
 
     marks = {}
+
+    def epoch_end(t):
+        marks.update(end=time.perf_counter(), images=len(t.train_loader.dataset), workers=t.train_loader.num_workers)
+        marks["threads"] = torch.get_num_threads()
+
     yolo = YOLO(model)
     yolo.add_callback("on_train_epoch_start", lambda t: marks.__setitem__("start", time.perf_counter()))
-    yolo.add_callback("on_train_epoch_end", lambda t: marks.__setitem__("end", time.perf_counter()))
-    yolo.add_callback("on_train_epoch_end", lambda t: marks.__setitem__("images", len(t.train_loader.dataset)))
-    yolo.train(data=data, imgsz=imgsz, batch=8, nbs=64, epochs=epochs, workers=2, close_mosaic=0, val=False,
-               plots=False, amp=False, device="cpu", fraction=fraction, project=tempfile.mkdtemp(), name="bench",
-               pretrained=False, verbose=False)  # fmt: skip
-    return marks["images"] / (marks["end"] - marks["start"])
+    yolo.add_callback("on_train_epoch_end", epoch_end)
+    yolo.train(**TRAIN_ARGS, data=data, imgsz=imgsz, epochs=epochs, fraction=fraction, project=tempfile.mkdtemp(),
+               name="bench", pretrained=False, verbose=False)  # fmt: skip
+    img_s = marks["images"] / (marks["end"] - marks["start"])
+    return {"img_s": img_s, "threads": marks["threads"], "workers": marks["workers"]}

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import shapes_yaml
 
@@ -61,6 +62,16 @@ def test_best_pt_opens_in_ultralytics_and_predicts(smoke_run):
     assert model.names == {0: "circle", 1: "square", 2: "triangle", 3: "cross"}
     results = model.predict(ASSETS / "bus.jpg", imgsz=64, conf=0.001, verbose=False)
     assert results[0].boxes.xyxy.shape[1] == 4
+
+
+def test_training_runs_channels_last_and_checkpoints_stay_contiguous(smoke_run):
+    from yoloaccum import checkpoint
+
+    ckpt = checkpoint.load(smoke_run / "weights/last.pt")
+    trained = [w for w in ckpt["yoloaccum"]["model"].values() if w.ndim == 4]
+    assert trained and all(w.is_contiguous(memory_format=torch.channels_last) for w in trained)
+    shipped = [w for w in ckpt["ema"].state_dict().values() if w.ndim == 4 and w.shape[-1] > 1]
+    assert shipped and all(w.is_contiguous() for w in shipped)  # Ultralytics' usual layout, for predict and export
 
 
 def test_best_pt_validates_and_exports_in_ultralytics(smoke_run, smoke_data, tmp_path):
