@@ -53,7 +53,7 @@ class Trainer:
         self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
         self.loader = self._loader()
         self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
-        if cfg.channels_last:  # NHWC convolutions: 1.27x forward + backward on this CPU (benchmarks/results.md)
+        if cfg.channels_last:  # NHWC convolutions: 1.27x forward + backward here (README)
             self.raw_model.to(memory_format=torch.channels_last)
         self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
