@@ -12,7 +12,7 @@ import yaml
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
 from yoloaccum import config, distributed, optim, schedule
-from yoloaccum.engine import Engine
+from yoloaccum.engine import Engine, model_input
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
 
@@ -93,9 +93,7 @@ def on_device(batches: list[dict]) -> list[dict]:
     out = []
     for b in batches:
         b = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-        img = b["img"].contiguous(memory_format=torch.channels_last)
-        b["img"] = img.float() / 255 if img.dtype == torch.uint8 else img
-        out.append(b)
+        out.append({**b, "img": model_input(b["img"], DEVICE, channels_last=True)})
     return out
 
 

@@ -91,10 +91,7 @@ class Engine:
 
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
-        img = batch["img"].to(self.ctx.device, non_blocking=True)
-        if self.channels_last:  # converted as uint8, the cheaper copy; float() and / keep the layout
-            img = img.contiguous(memory_format=torch.channels_last)
-        batch["img"] = img.float() / 255 if img.dtype == torch.uint8 else img
+        batch["img"] = model_input(batch["img"], self.ctx.device, self.channels_last)
         with torch.autocast(self.ctx.device.type, enabled=self.amp):
             preds = self.model(batch["img"])
             loss, items, counts = self.loss(preds, batch)
@@ -135,6 +132,14 @@ class Engine:
             self.log(f"iteration {ni}: non-finite loss or gradient, window skipped ({len(self.skipped)} so far)")
         self.window_counts.zero_()
         return stop_votes > 0
+
+
+def model_input(img: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """A loader's images as the model takes them: on the device, float in [0, 1], in the model's memory layout."""
+    img = img.to(device, non_blocking=True)
+    if channels_last:  # converted as uint8, the cheaper copy; float() and / keep the layout
+        img = img.contiguous(memory_format=torch.channels_last)
+    return img.float() / 255 if img.dtype == torch.uint8 else img
 
 
 @dataclass(frozen=True)
