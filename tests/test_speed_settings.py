@@ -41,3 +41,22 @@ def test_deterministic_mode_does_not_fill_new_tensors():
         torch.utils.deterministic.fill_uninitialized_memory = before[0]
         torch.use_deterministic_algorithms(before[1])
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def test_loader_workers_deliver_channels_last_images(tmp_path):
+    """The workers lay the images out as the model runs, so the training process does not copy them again; the
+    pixels are the same either way."""
+    from conftest import shapes_yaml
+
+    from yoloaccum import config, data
+
+    spec = data.load_spec(shapes_yaml(tmp_path, num_train=8, num_val=2))
+    images = {}
+    for channels_last in (True, False):
+        cfg = config.resolve(overrides=dict(data=str(spec.yaml_file), imgsz=64, batch=4, workers=1, seed=0,
+                                            channels_last=channels_last))  # fmt: skip
+        loader = data.build_loader(data.build_dataset(cfg, spec, "train"), cfg, 4, 0, 1, True)
+        images[channels_last] = next(iter(loader))["img"]
+    assert images[True].is_contiguous(memory_format=torch.channels_last)
+    assert images[False].is_contiguous() and not images[False].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(images[True], images[False])
