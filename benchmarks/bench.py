@@ -110,12 +110,13 @@ def accumulation_overhead(model: str, imgsz: int, micro: int, pairs: int) -> dic
 
 
 def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
-    """(e) Images/s of the training loader alone: augmentation on, workers as in training, nothing consuming."""
+    """(e) Images/s of the training loader alone: augmentation on, workers and cache as in training, nothing
+    consuming."""
     from yoloaccum import config
     from yoloaccum import data as data_
 
     cfg = config.resolve(overrides=dict(data=data, imgsz=imgsz, batch=micro, workers=TRAIN_ARGS["workers"],
-                                        close_mosaic=0))  # fmt: skip
+                                        cache=TRAIN_ARGS["cache"], close_mosaic=0))  # fmt: skip
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     it = iter(data_.build_loader(dataset, cfg, micro, 0, 1, True))
     next(it)  # workers start
