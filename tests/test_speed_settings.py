@@ -60,3 +60,14 @@ def test_loader_workers_deliver_channels_last_images(tmp_path):
     assert images[True].is_contiguous(memory_format=torch.channels_last)
     assert images[False].is_contiguous() and not images[False].is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(images[True], images[False])
+
+
+def test_objects_built_before_training_are_hidden_from_the_garbage_collector_until_it_ends():
+    import gc
+
+    from yoloaccum.trainer import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 10_000  # this test process's modules alone
+    assert gc.get_freeze_count() == 0

@@ -7,8 +7,11 @@ loss.WindowLoss. Rank 0 alone validates, logs and writes; every rank trains. A r
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +96,7 @@ class Trainer:
         s, cfg = self.schedule, self.cfg
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx)
-        with GracefulStop() as stop_signal:
+        with GracefulStop() as stop_signal, frozen_heap():
             epoch, start = self.position
             while epoch < s.epochs:
                 t0 = time.perf_counter()
@@ -281,3 +284,16 @@ def run(args: list[str]) -> dict[str, float]:
         return metrics
     finally:
         distributed.cleanup()
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Hide every object alive now (modules, dataset, labels: 370k in a yolo26n run on the shapes set) from the cyclic
+    garbage collector while training. A full collection would otherwise walk them all at some iteration (195 ms,
+    once in 3 epochs on 2 cores), and in each loader worker, forked from this process, copy every page it touched."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
