@@ -4,9 +4,10 @@ overhead and the data pipeline.
     python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 13 minutes)
     python benchmarks/bench.py --smoke    # a few iterations of everything, to keep the scripts working (CI)
 
-These machines are noisy, so nothing is compared across time: each repeat runs every contender back to back, each
-ratio is taken within a repeat, and the report gives the median over the repeats. Trainers and the bare limit run in
-fresh processes, so none inherits another's threads, caches or memory. On CUDA everything runs with AMP.
+These machines are noisy, so nothing is compared across time: each repeat runs every contender back to back (the bare
+limit before and after yoloaccum), each ratio is taken within a repeat, and the report gives the median over the
+repeats. Trainers and the bare limit run in fresh processes, so none inherits another's threads, caches or memory.
+On CUDA everything runs with AMP.
 """
 
 from __future__ import annotations
@@ -54,18 +55,25 @@ def fresh(function: str, *args):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+FUNCTIONS = {"bare_limit": "bare_limit", "yoloaccum": "yoloaccum_images_per_second",
+             "ultralytics": "ultralytics_images_per_second"}  # fmt: skip
+
+
 def throughput(models, data: str, imgsz: int, micro: int, repeats: int, epochs: int, fraction: float,
                iterations: int) -> list[dict]:  # fmt: skip
-    """(a) and (b): each repeat runs the bare limit, yoloaccum's trainer and Ultralytics' trainer back to back."""
+    """(a) and (b): each repeat runs the bare limit, yoloaccum's trainer, the bare limit again and Ultralytics'
+    trainer, back to back. yoloaccum is compared with the mean of the two bare runs around it, which cancels a
+    steady drift of the machine's speed over the minute they take; the ratio to Ultralytics is taken within the
+    repeat."""
     rows = []
     for model in models:
         runs = {"yoloaccum": [], "ultralytics": [], "bare_limit": []}
-        for _ in range(repeats):  # yoloaccum in the middle: next to both of the runs it is compared with
-            runs["bare_limit"].append(fresh("bare_limit", model, data, imgsz, micro, iterations))
-            runs["yoloaccum"].append(fresh("yoloaccum_images_per_second", model, data, imgsz, epochs, fraction))
-            runs["ultralytics"].append(fresh("ultralytics_images_per_second", model, data, imgsz, epochs, fraction))
+        for _ in range(repeats):
+            for name in ("bare_limit", "yoloaccum", "bare_limit", "ultralytics"):
+                args = (micro, iterations) if name == "bare_limit" else (epochs, fraction)
+                runs[name].append(fresh(FUNCTIONS[name], model, data, imgsz, *args))
         ours, theirs = [r["img_s"] for r in runs["yoloaccum"]], [r["img_s"] for r in runs["ultralytics"]]
-        bare = runs["bare_limit"]
+        around = [(b + a) / 2 for b, a in zip(runs["bare_limit"][0::2], runs["bare_limit"][1::2])]
         ran_with = {
             name: {k: runs[name][0][k] for k in ("threads", "workers")} for name in ("yoloaccum", "ultralytics")
         }
@@ -73,9 +81,9 @@ def throughput(models, data: str, imgsz: int, micro: int, repeats: int, epochs: 
             "model": model,
             "yoloaccum_img_s": median(ours),
             "ultralytics_img_s": median(theirs),
-            "bare_limit_img_s": median(bare),
+            "bare_limit_img_s": median(runs["bare_limit"]),
             "ratio": median(o / t for o, t in zip(ours, theirs)),
-            "fraction_of_bare_limit": median(o / b for o, b in zip(ours, bare)),
+            "fraction_of_bare_limit": median(o / b for o, b in zip(ours, around)),
             "ran_with": ran_with,
             "runs": runs,
         })  # fmt: skip
@@ -178,7 +186,8 @@ def markdown(r: dict) -> str:
     lines = [f"Measured by `make bench` on {where}; torch {m['torch']}, Python {m['python']}. Both trainers: imgsz "
              f"{s['imgsz']}, batch {s['batch']}, nbs {s['nbs']}, workers {s['workers']}, cache {s['cache']}, no "
              f"warmup, images/s of the second epoch. Median of {s['repeats']} repeats, each running every contender "
-             "back to back; ratios are taken within a repeat.", "",
+             "back to back; ratios are taken within a repeat, yoloaccum's to the mean of the bare runs just before "
+             "and after it.", "",
              "| model | yoloaccum img/s | Ultralytics img/s | ratio | bare limit img/s | share of the bare limit |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for row in rows:
