@@ -61,10 +61,12 @@ def make_batches(n: int, micro: int, imgsz: int, seed: int = 0) -> list[dict]:
 
 
 def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]:
-    """The first n micro-batches of the training loader (mosaic and all augmentation), held in memory."""
+    """The first n micro-batches of the training loader (mosaic and all augmentation, the trainers' cache setting,
+    which also decides where mosaic draws its other images from), held in memory."""
     from yoloaccum import data as data_
 
-    cfg = config.resolve(overrides=dict(data=str(data), imgsz=imgsz, batch=micro, workers=0, close_mosaic=0))
+    cfg = config.resolve(overrides=dict(data=str(data), imgsz=imgsz, batch=micro, workers=0, close_mosaic=0,
+                                        cache=TRAIN_ARGS["cache"]))  # fmt: skip
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     batches = []
     while len(batches) < n:  # a small set (--smoke) may need more than one pass
