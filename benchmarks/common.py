@@ -11,7 +11,7 @@ import torch
 import yaml
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config, distributed, optim, schedule
+from yoloaccum import config, distributed, optim, runs, schedule
 from yoloaccum.engine import Engine, model_input
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
@@ -80,6 +80,7 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     from ultralytics.nn.tasks import DetectionModel
     from ultralytics.utils.torch_utils import ModelEMA
 
+    runs.keep_freed_memory()  # as the trainer does; the bare limit gets it too
     cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=0, imgsz=imgsz,
                                         optimizer="SGD"))  # fmt: skip
     s = schedule.build(cfg, num_images=batch * num_batches, nc=4)

@@ -71,3 +71,27 @@ def test_objects_built_before_training_are_hidden_from_the_garbage_collector_unt
     with frozen_heap():
         assert gc.get_freeze_count() > 10_000  # this test process's modules alone
     assert gc.get_freeze_count() == 0
+
+
+FAULTS = """
+import resource, sys, torch
+from yoloaccum.runs import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+def micro_batch():  # as a micro-batch's activations: 12 tensors of 4 MB, written, then all freed together
+    return sum(float(t.sum()) for t in [torch.ones(2**20) for _ in range(12)])
+micro_batch()  # the first one faults its pages in whatever the setting
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    micro_batch()
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_freed_tensor_memory_is_reused_without_page_faults():
+    """After keep_freed_memory, the memory one micro-batch frees serves the next without faulting its pages in again.
+    By default glibc trims the heap when the 48 MB are freed, and each micro-batch faults pages in again."""
+    env = offline_env()
+    applied, kept = python(FAULTS.replace("sys.argv[1]", "'keep'"), env).split()
+    _, default = python(FAULTS.replace("sys.argv[1]", "'default'"), env).split()
+    assert applied == "True"
+    assert 10 * int(kept) < int(default), (kept, default)  # measured: 0 to 1,024 against 122,549

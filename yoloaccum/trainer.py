@@ -24,7 +24,7 @@ from yoloaccum.config import Config, resolve
 from yoloaccum.engine import Engine, EpochResult
 from yoloaccum.errors import UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
-from yoloaccum.runs import RunDir, seed_everything
+from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.validate import METRIC_KEYS, Evaluator, metrics_table
 
@@ -43,6 +43,7 @@ class Trainer:
         self.ctx = distributed.setup(cfg.device)
         # Augmentation draws differ per rank, as in Ultralytics; DDP broadcasts rank 0's initial weights.
         seed_everything(cfg.seed + self.ctx.rank, cfg.deterministic)
+        keep_freed_memory()
         with distributed.main_first(self.ctx):  # rank 0 generates shapes and writes the label cache; then the others
             self.spec = data.load_spec(cfg.data, cfg.split)
             self.train_set = data.build_dataset(cfg, self.spec, "train")
