@@ -34,9 +34,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-# glibc's mallopt() parameters (malloc.h), and how much freed memory the process may keep for reuse.
+# glibc's mallopt() parameters (malloc.h). 32 MiB is the largest mmap threshold older glibc accepts (HEAP_MAX_SIZE / 2);
+# tensors above it still come and go with mmap, as by default.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_KEEP_BYTES = 256 << 20
+_MMAP_BYTES, _TRIM_BYTES = 32 << 20, 256 << 20
 
 
 def keep_freed_memory() -> bool:
@@ -44,14 +45,15 @@ def keep_freed_memory() -> bool:
 
     By default glibc serves each large tensor with a fresh mmap, or trims the heap when a micro-batch's activations
     are freed, and the next micro-batch faults every page in again. Measured on 2 CPU cores, yolo26n, batch 8 at 160
-    px: 3,000 to 4,000 page faults a micro-batch and 0.6 s of kernel time in a 9 s epoch; with both thresholds at
-    256 MiB, about 20 faults and 0.15 s. Returns False where the C library is not glibc (nothing to tune there).
+    px: 3,000 to 4,000 page faults a micro-batch and 0.6 s of kernel time in a 9 s epoch; with these thresholds,
+    about 20 faults and 0.15 s. The setting is process-wide and stays. Returns whether glibc accepted it: False where
+    the C library is not glibc (with jemalloc or tcmalloc preloaded it returns True but changes nothing).
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):
         return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES) and mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))
 
 
 def next_free(base: Path, exist_ok: bool) -> Path:
