@@ -247,12 +247,13 @@ def build_loader(dataset: Dataset, cfg: Config, micro_batch: int, rank: int, wor
     else:  # validation runs on rank 0 alone, in file order
         sampler = EpochBatchSampler(len(dataset), micro_batch, shuffle=False)
     workers = min(cfg.workers, os.cpu_count() or 1)
+    cuda = torch.cuda.is_available()
     return DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=workers,
-        collate_fn=partial(_collate, dataset.collate_fn, cfg.channels_last and not torch.cuda.is_available()),
-        pin_memory=torch.cuda.is_available(),
+        collate_fn=partial(_collate, dataset.collate_fn, cfg.channels_last and not cuda),
+        pin_memory=cuda,
         persistent_workers=workers > 0,
         worker_init_fn=seed_worker,
         generator=torch.Generator().manual_seed(cfg.seed + rank),

@@ -137,7 +137,7 @@ class Engine:
 def model_input(img: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
     """A loader's images as the model takes them: on the device, float in [0, 1], in the model's memory layout."""
     img = img.to(device, non_blocking=True)
-    if channels_last:  # a no-op for the loader's batches, laid out by its workers (data._collate)
+    if channels_last:  # a no-op on the CPU, where the loader's workers lay batches out (data._collate)
         img = img.contiguous(memory_format=torch.channels_last)
     return img.float() / 255 if img.dtype == torch.uint8 else img  # float() and / keep the layout
 
