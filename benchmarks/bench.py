@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 from common import (  # noqa: E402
     AMP,
     CUDA,
+    DEVICE,
     SHAPES_YAML,
     TRAIN_ARGS,
     engine_for,
@@ -126,7 +127,7 @@ def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
     cfg = config.resolve(overrides=dict(data=data, imgsz=imgsz, batch=micro, workers=TRAIN_ARGS["workers"],
                                         cache=TRAIN_ARGS["cache"], close_mosaic=0))  # fmt: skip
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
-    it = iter(data_.build_loader(dataset, cfg, micro, 0, 1, True))
+    it = iter(data_.build_loader(dataset, cfg, micro, 0, 1, DEVICE))
     next(it)  # workers start
     start, seen = time.perf_counter(), 0
     for _, b in zip(range(batches), it):

@@ -70,7 +70,7 @@ def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     batches = []
     while len(batches) < n:  # a small set (--smoke) may need more than one pass
-        batches += [b for _, b in zip(range(n - len(batches)), data_.build_loader(dataset, cfg, micro, 0, 1, True))]
+        batches += [b for _, b in zip(range(n - len(batches)), data_.build_loader(dataset, cfg, micro, 0, 1, DEVICE))]
     return batches
 
 
@@ -90,15 +90,15 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     raw.train()
     ema = ModelEMA(raw)
     return Engine(raw, raw, WindowLoss(raw, "window"), optim.build_optimizer(raw, s), s, CTX, clip_grad=10.0,
-                  scaler=torch.amp.GradScaler("cuda", enabled=AMP), ema=ema, amp=AMP, channels_last=True)  # fmt: skip
+                  scaler=torch.amp.GradScaler("cuda", enabled=AMP), ema=ema, amp=AMP)  # fmt: skip
 
 
 def on_device(batches: list[dict]) -> list[dict]:
-    """Batches moved to the device and their images made float in [0, 1], channels-last: what the model eats."""
+    """Batches moved to the device and their images made float in [0, 1]: what the model eats."""
     out = []
     for b in batches:
         b = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-        out.append({**b, "img": model_input(b["img"], DEVICE, channels_last=True)})
+        out.append({**b, "img": model_input(b["img"], DEVICE)})
     return out
 
 
@@ -136,6 +136,7 @@ def yoloaccum_images_per_second(model: str, data: str, imgsz: int, epochs: int, 
     """yoloaccum's trainer: images/s of its last epoch, as it logs them in results.csv."""
     import csv
 
+    from yoloaccum import data as data_
     from yoloaccum import trainer
 
     project = tempfile.mkdtemp()
@@ -143,7 +144,8 @@ def yoloaccum_images_per_second(model: str, data: str, imgsz: int, epochs: int, 
     trainer.run([f"{k}={v}" for k, v in args.items()] + ["verbose=False", f"project={project}", "name=bench"])
     with open(Path(project) / "bench/results.csv") as f:
         img_s = float(list(csv.DictReader(f))[-1]["images_per_second"])
-    return {"img_s": img_s, "threads": torch.get_num_threads(), "workers": TRAIN_ARGS["workers"]}
+    workers = data_.loader_workers(TRAIN_ARGS["workers"], DEVICE)  # what its loader ran with
+    return {"img_s": img_s, "threads": torch.get_num_threads(), "workers": workers}
 
 
 def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> dict:

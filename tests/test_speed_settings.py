@@ -46,24 +46,41 @@ def test_deterministic_mode_does_not_fill_new_tensors():
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def test_loader_workers_deliver_channels_last_images_on_the_cpu(tmp_path):
-    """Without CUDA the workers lay the images out as the model runs, so the training process does not copy them
-    again (with CUDA the GPU does it); the pixels are the same either way."""
-    from conftest import shapes_yaml
+@pytest.mark.parametrize("name", ["yolo26n.yaml", "yolo11n.yaml"])
+def test_a_channels_last_model_takes_nchw_images_with_identical_results(name):
+    """The trainer feeds the loader's NCHW images to its channels-last model unconverted (engine.model_input): the first
+    convolution lays them out itself. Loss and every gradient are the same, bit for bit."""
+    from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import config, data
+    from yoloaccum import config
+    from yoloaccum.engine import model_input
+    from yoloaccum.loss import WindowLoss
+    from yoloaccum.ultra import ultralytics_args
 
-    spec = data.load_spec(shapes_yaml(tmp_path, num_train=8, num_val=2))
-    images = {}
-    for channels_last in (True, False):
-        cfg = config.resolve(overrides=dict(data=str(spec.yaml_file), imgsz=64, batch=4, workers=1, seed=0,
-                                            channels_last=channels_last))  # fmt: skip
-        loader = data.build_loader(data.build_dataset(cfg, spec, "train"), cfg, 4, 0, 1, True)
-        images[channels_last] = next(iter(loader))["img"]
-    in_workers = not torch.cuda.is_available()
-    assert images[True].is_contiguous(memory_format=torch.channels_last) == in_workers
-    assert images[False].is_contiguous() and not images[False].is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(images[True], images[False])
+    torch.manual_seed(0)
+    model = DetectionModel(name, nc=4, verbose=False).to(memory_format=torch.channels_last)
+    model.args = ultralytics_args(config.resolve(overrides=dict(imgsz=64)))
+    criterion = WindowLoss(model, "window")
+    images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)
+    batch = {"batch_idx": torch.tensor([0.0, 1, 2, 3]), "cls": torch.tensor([[0.0], [1], [2], [3]]),
+             "bboxes": torch.tensor([[0.5, 0.5, 0.3, 0.4]]).repeat(4, 1)}  # fmt: skip
+    results = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        model.zero_grad(set_to_none=True)
+        x = model_input(images.contiguous(memory_format=layout), torch.device("cpu"))
+        loss = criterion(model(x), {**batch, "img": x})[0]
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    assert images.is_contiguous() and len(results[0]) > 200
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_loaders_use_workers_on_cuda_only():
+    from yoloaccum.data import loader_workers
+
+    assert loader_workers(8, torch.device("cpu")) == 0
+    assert loader_workers(2, torch.device("cuda", 0)) == min(2, os.cpu_count())
+    assert loader_workers(10_000, torch.device("cuda", 0)) == os.cpu_count()
 
 
 @pytest.mark.parametrize("name", ["SGD", "AdamW", "Adam"])

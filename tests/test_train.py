@@ -15,7 +15,7 @@ import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported
 
 COCO8 = Path(__file__).resolve().parents[2] / "shared/datasets/coco8.yaml"
 OUTPUTS = ("args.yaml", "results.csv", "results.png", "weights/last.pt", "weights/best.pt")
-SMOKE = ("imgsz=64", "batch=4", "nbs=16", "workers=0", "warmup_epochs=1", "close_mosaic=1", "exist_ok=True")
+SMOKE = ("imgsz=64", "batch=4", "nbs=16", "workers=2", "warmup_epochs=1", "close_mosaic=1", "exist_ok=True")
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +24,17 @@ def smoke_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def smoke_run(smoke_data, tmp_path_factory, run_cli) -> Path:
+def smoke_train(smoke_data, tmp_path_factory, run_cli):
     project = tmp_path_factory.mktemp("runs")
     r = run_cli("train", f"data={smoke_data}", "model=yolo26n.yaml", "epochs=2", f"project={project}", "name=smoke",
                 *SMOKE, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return project / "smoke"
+    return project / "smoke", r.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke_run(smoke_train) -> Path:
+    return smoke_train[0]
 
 
 def read_results(run: Path) -> list[dict[str, str]]:
@@ -62,6 +67,13 @@ def test_best_pt_opens_in_ultralytics_and_predicts(smoke_run):
     assert model.names == {0: "circle", 1: "square", 2: "triangle", 3: "cross"}
     results = model.predict(ASSETS / "bus.jpg", imgsz=64, conf=0.001, verbose=False)
     assert results[0].boxes.xyxy.shape[1] == 4
+
+
+def test_on_the_cpu_data_loads_in_the_training_process(smoke_train):
+    """workers=2 was asked for; on the CPU workers would take cores from torch's threads (data.loader_workers)."""
+    if torch.cuda.is_available():
+        pytest.skip("the run trained on CUDA, where workers are used")
+    assert "data loaded in the training process" in smoke_train[1]
 
 
 def test_training_runs_channels_last_and_checkpoints_stay_contiguous(smoke_run):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -238,7 +238,19 @@ def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> st
     return "\n".join([head, *lines[:10], *(["  ..."] if len(lines) > 10 else [])])
 
 
-def build_loader(dataset: Dataset, cfg: Config, micro_batch: int, rank: int, world: int, train: bool) -> DataLoader:
+def loader_workers(requested: int, device: torch.device) -> int:
+    """Worker processes for a loader that feeds `device`: none on the CPU, where the data loads in the training process.
+
+    There, workers would take cores from torch's threads, which compute on all of them: whenever a worker runs, the
+    thread it displaced holds up the others at their next barrier, so a worker's CPU time costs about as much as
+    loading in process, plus the transfer. yolo11n at 160 px on 2 cores, alternated runs: 92% of the bare limit
+    in process, 87% with 2 workers (README, Performance). Validation, and Ultralytics' trainer, do the same.
+    """
+    return 0 if device.type == "cpu" else min(requested, os.cpu_count() or 1)
+
+
+def build_loader(dataset: Dataset, cfg: Config, micro_batch: int, rank: int, world: int, device: torch.device,
+                 train: bool = True) -> DataLoader:  # fmt: skip
     """A DataLoader over one rank's share; workers are seeded from the run seed for reproducible augmentation."""
     from ultralytics.data.build import seed_worker
 
@@ -246,25 +258,14 @@ def build_loader(dataset: Dataset, cfg: Config, micro_batch: int, rank: int, wor
         sampler = EpochBatchSampler(len(dataset), micro_batch * world, rank, world, shuffle=True, seed=cfg.seed)
     else:  # validation runs on rank 0 alone, in file order
         sampler = EpochBatchSampler(len(dataset), micro_batch, shuffle=False)
-    workers = min(cfg.workers, os.cpu_count() or 1)
-    cuda = torch.cuda.is_available()
+    workers = loader_workers(cfg.workers, device)
     return DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=workers,
-        collate_fn=partial(_collate, dataset.collate_fn, cfg.channels_last and not cuda),
-        pin_memory=cuda,
+        collate_fn=dataset.collate_fn,
+        pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
         worker_init_fn=seed_worker,
         generator=torch.Generator().manual_seed(cfg.seed + rank),
     )
-
-
-def _collate(collate_fn: Callable[[list[dict]], dict], channels_last: bool, samples: list[dict]) -> dict:
-    """The dataset's collate, then, for a model that runs channels-last on the CPU, the images laid out so: in a worker
-    this copy overlaps with training, while in the main process it added about 1 ms to each micro-batch of 8 at 160
-    px. With CUDA the GPU converts them, at no cost to the workers, which are often the bottleneck there."""
-    batch = collate_fn(samples)
-    if channels_last:
-        batch["img"] = batch["img"].contiguous(memory_format=torch.channels_last)
-    return batch

@@ -43,7 +43,6 @@ class Engine:
     scaler: torch.amp.GradScaler
     ema: Any = None  # ultralytics ModelEMA, or None
     amp: bool = False
-    channels_last: bool = False  # feed images in the layout of a model converted with .to(memory_format=...)
     no_sync: bool = True  # False all-reduces after every micro-batch, as Ultralytics does (for benchmarks)
     nan_patience: int = 0  # stop after this many consecutive skipped windows; 0 never stops
     log: Callable[[str], None] = lambda message: None
@@ -91,7 +90,7 @@ class Engine:
 
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
-        batch["img"] = model_input(batch["img"], self.ctx.device, self.channels_last)
+        batch["img"] = model_input(batch["img"], self.ctx.device)
         with torch.autocast(self.ctx.device.type, enabled=self.amp):
             preds = self.model(batch["img"])
             loss, items, counts = self.loss(preds, batch)
@@ -134,12 +133,14 @@ class Engine:
         return stop_votes > 0
 
 
-def model_input(img: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """A loader's images as the model takes them: on the device, float in [0, 1], in the model's memory layout."""
+def model_input(img: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A loader's images as the model takes them: on the device, float in [0, 1].
+
+    They stay NCHW even for a channels-last model: its first convolution lays them out as its weights, with identical
+    results (tests/test_speed_settings.py) and, on the CPU, at no measurable cost.
+    """
     img = img.to(device, non_blocking=True)
-    if channels_last:  # a no-op on the CPU, where the loader's workers lay batches out (data._collate)
-        img = img.contiguous(memory_format=torch.channels_last)
-    return img.float() / 255 if img.dtype == torch.uint8 else img  # float() and / keep the layout
+    return img.float() / 255 if img.dtype == torch.uint8 else img
 
 
 @dataclass(frozen=True)

@@ -102,12 +102,14 @@ class RunDir:
     def results(self) -> Results:
         return Results(self.path)
 
-    def announce(self, schedule, num_images: int, ctx) -> None:
+    def announce(self, schedule, num_images: int, ctx, workers: int) -> None:
         s = schedule
+        loading = f"{workers} loader workers" if workers else "data loaded in the training process"
         self.console.print(
             f"[bold]yoloaccum[/] {num_images} images, {s.epochs} epochs on {ctx.world_size} × {ctx.device}: "
             f"micro-batch {s.micro_batch} × accumulate {s.accumulate} × {ctx.world_size} device(s) = effective batch "
-            f"{s.effective_batch}; weight decay {s.weight_decay:g}; {s.optimizer} lr0={s.lr0:g}; results in {self.path}"
+            f"{s.effective_batch}; weight decay {s.weight_decay:g}; {s.optimizer} lr0={s.lr0:g}; {loading}; "
+            f"results in {self.path}"
         )
 
     def finish(self, evaluator, cfg: Config) -> None:

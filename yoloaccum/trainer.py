@@ -73,7 +73,6 @@ class Trainer:
             scaler=torch.amp.GradScaler("cuda", enabled=amp),
             ema=self.ema,
             amp=amp,
-            channels_last=cfg.channels_last,
             nan_patience=cfg.nan_patience,
             log=self.run.console.print if self.run else (lambda message: None),
         )
@@ -90,13 +89,15 @@ class Trainer:
 
     def _loader(self):
         s = self.schedule
-        return data.build_loader(self.train_set, self.cfg, s.micro_batch, self.ctx.rank, self.ctx.world_size, True)
+        return data.build_loader(
+            self.train_set, self.cfg, s.micro_batch, self.ctx.rank, self.ctx.world_size, self.ctx.device
+        )
 
     def train(self) -> dict[str, float]:
         """Run the remaining epochs; returns the final validation metrics."""
         s, cfg = self.schedule, self.cfg
         if self.run:
-            self.run.announce(s, len(self.train_set), self.ctx)
+            self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers)
         with GracefulStop() as stop_signal, frozen_heap():
             epoch, start = self.position
             while epoch < s.epochs:

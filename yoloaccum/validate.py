@@ -29,7 +29,7 @@ class Evaluator:
         from ultralytics.models.yolo.detect import DetectionValidator
 
         args = ultralytics_args(cfg, mode="val", batch=batch, conf=cfg.conf or 0.001, data=str(spec.yaml_file),
-                                workers=0 if device.type == "cpu" else cfg.workers)  # fmt: skip
+                                workers=data.loader_workers(cfg.workers, device))  # fmt: skip
         self.validator = v = DetectionValidator(save_dir=save_dir, args=args)
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: metrics only, no plots or JSON
