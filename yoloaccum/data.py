@@ -127,8 +127,7 @@ class EpochBatchSampler(Sampler[list[int]]):
     or padded. Like DistributedSampler, call set_epoch() before each epoch.
     """
 
-    def __init__(self, num_images: int, batch: int, rank: int = 0, world_size: int = 1, shuffle: bool = True,
-                 seed: int = 0):  # fmt: skip
+    def __init__(self, num_images: int, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0):
         assert batch % world_size == 0 and 0 <= rank < world_size
         if num_images % batch and num_images % batch < world_size:
             raise UserError(
@@ -136,7 +135,7 @@ class EpochBatchSampler(Sampler[list[int]]):
                 f"choose a batch that leaves at least {world_size} images in the last one"
             )
         self.num_images, self.batch, self.rank, self.world_size = num_images, batch, rank, world_size
-        self.shuffle, self.seed, self.epoch, self.start = shuffle, seed, 0, 0
+        self.seed, self.epoch, self.start = seed, 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Draw epoch's order; skip its first `start` batches (a resumed run continues from the next image)."""
@@ -146,11 +145,8 @@ class EpochBatchSampler(Sampler[list[int]]):
         return math.ceil(self.num_images / self.batch) - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_images, generator=g).tolist()
-        else:
-            order = list(range(self.num_images))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_images, generator=g).tolist()
         for first in range(self.start * self.batch, self.num_images, self.batch):
             global_batch = order[first : first + self.batch]
             cuts = [len(global_batch) * r // self.world_size for r in range(self.world_size + 1)]
@@ -249,15 +245,14 @@ def loader_workers(requested: int, device: torch.device) -> int:
     return 0 if device.type == "cpu" else min(requested, os.cpu_count() or 1)
 
 
-def build_loader(dataset: Dataset, cfg: Config, micro_batch: int, rank: int, world: int, device: torch.device,
-                 train: bool = True) -> DataLoader:  # fmt: skip
-    """A DataLoader over one rank's share; workers are seeded from the run seed for reproducible augmentation."""
+def build_loader(
+    dataset: Dataset, cfg: Config, micro_batch: int, rank: int, world: int, device: torch.device
+) -> DataLoader:
+    """The training DataLoader over one rank's share; workers are seeded from the run seed for reproducible
+    augmentation. (Validation uses Ultralytics' own loader, in validate.py.)"""
     from ultralytics.data.build import seed_worker
 
-    if train:
-        sampler = EpochBatchSampler(len(dataset), micro_batch * world, rank, world, shuffle=True, seed=cfg.seed)
-    else:  # validation runs on rank 0 alone, in file order
-        sampler = EpochBatchSampler(len(dataset), micro_batch, shuffle=False)
+    sampler = EpochBatchSampler(len(dataset), micro_batch * world, rank, world, seed=cfg.seed)
     workers = loader_workers(cfg.workers, device)
     return DataLoader(
         dataset,
