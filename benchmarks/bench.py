@@ -4,10 +4,10 @@ overhead and the data pipeline.
     python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 13 minutes)
     python benchmarks/bench.py --smoke    # a few iterations of everything, to keep the scripts working (CI)
 
-These machines are noisy, so nothing is compared across time: each repeat runs every contender back to back (the bare
-limit before and after yoloaccum), each ratio is taken within a repeat, and the report gives the median over the
-repeats. Trainers and the bare limit run in fresh processes, so none inherits another's threads, caches or memory.
-On CUDA everything runs with AMP.
+These machines are noisy, so nothing is compared across time: each repeat runs both trainers back to back, each in a
+fresh process, so neither inherits the other's threads, caches or memory; the bare limit is measured inside
+yoloaccum's process, on its own model, just before and just after the measured epoch. Each ratio is taken within a
+repeat, and the report gives the median over the repeats. On CUDA everything runs with AMP.
 """
 
 from __future__ import annotations
@@ -56,25 +56,19 @@ def fresh(function: str, *args):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-FUNCTIONS = {"bare_limit": "bare_limit", "yoloaccum": "yoloaccum_images_per_second",
-             "ultralytics": "ultralytics_images_per_second"}  # fmt: skip
-
-
-def throughput(models, data: str, imgsz: int, micro: int, repeats: int, epochs: int, fraction: float,
+def throughput(models, data: str, imgsz: int, repeats: int, epochs: int, fraction: float,
                iterations: int) -> list[dict]:  # fmt: skip
-    """(a) and (b): each repeat runs the bare limit, yoloaccum's trainer, the bare limit again and Ultralytics'
-    trainer, back to back. yoloaccum is compared with the mean of the two bare runs around it, which halves the
-    effect of the machine's speed changing between runs (the report's bare limit is the median of those means); the
-    ratio to Ultralytics is taken within the repeat."""
+    """(a) and (b): each repeat runs yoloaccum's trainer, with the bare limit measured in its process around its last
+    epoch, then Ultralytics' trainer, back to back. Both ratios are taken within a repeat."""
     rows = []
     for model in models:
-        runs = {"yoloaccum": [], "ultralytics": [], "bare_limit": []}
+        runs = {"yoloaccum": [], "ultralytics": []}
+        trained = (model, data, imgsz, epochs, fraction)
         for _ in range(repeats):
-            for name in ("bare_limit", "yoloaccum", "bare_limit", "ultralytics"):
-                args = (micro, iterations) if name == "bare_limit" else (epochs, fraction)
-                runs[name].append(fresh(FUNCTIONS[name], model, data, imgsz, *args))
+            runs["yoloaccum"].append(fresh("yoloaccum_and_bare_limit", *trained, iterations))
+            runs["ultralytics"].append(fresh("ultralytics_images_per_second", *trained))
         ours, theirs = [r["img_s"] for r in runs["yoloaccum"]], [r["img_s"] for r in runs["ultralytics"]]
-        around = [(b + a) / 2 for b, a in zip(runs["bare_limit"][0::2], runs["bare_limit"][1::2])]
+        bare = [r["bare_limit_img_s"] for r in runs["yoloaccum"]]
         ran_with = {
             name: {k: runs[name][0][k] for k in ("threads", "workers")} for name in ("yoloaccum", "ultralytics")
         }
@@ -82,9 +76,9 @@ def throughput(models, data: str, imgsz: int, micro: int, repeats: int, epochs: 
             "model": model,
             "yoloaccum_img_s": median(ours),
             "ultralytics_img_s": median(theirs),
-            "bare_limit_img_s": median(around),
+            "bare_limit_img_s": median(bare),
             "ratio": median(o / t for o, t in zip(ours, theirs)),
-            "fraction_of_bare_limit": median(o / b for o, b in zip(ours, around)),
+            "fraction_of_bare_limit": median(o / b for o, b in zip(ours, bare)),
             "ran_with": ran_with,
             "runs": runs,
         })  # fmt: skip
@@ -167,8 +161,8 @@ def main() -> None:
         "settings": {**TRAIN_ARGS, "imgsz": imgsz, "batch": micro, "amp": AMP, "data": SHAPES_YAML,
                      "repeats": repeats, "smoke": smoke},
     }  # fmt: skip
-    report["vs_ultralytics"] = throughput(models, data, imgsz, micro, repeats, epochs=2,
-                                          fraction=0.25 if smoke else 1.0, iterations=4 if smoke else 40)  # fmt: skip
+    report["vs_ultralytics"] = throughput(models, data, imgsz, repeats, epochs=2, fraction=0.25 if smoke else 1.0,
+                                          iterations=4 if smoke else 40)  # fmt: skip
     steps = 4 if smoke else 16
     configs = ((micro, 64), (micro, micro), (64, 64))
     report["memory_mb"] = {f"batch={b} nbs={n}": peak_memory(models[0], imgsz, b, n, steps) for b, n in configs}
@@ -187,8 +181,9 @@ def markdown(r: dict) -> str:
     lines = [f"Measured by `make bench` on {where}; torch {m['torch']}, Python {m['python']}. Both trainers: imgsz "
              f"{s['imgsz']}, batch {s['batch']}, nbs {s['nbs']}, workers {s['workers']}, cache {s['cache']}, no "
              f"warmup, images/s of the second epoch. Median of {s['repeats']} repeats, each running every contender "
-             "back to back; ratios are taken within a repeat, yoloaccum's to the mean of the bare runs just before "
-             "and after it.", "",
+             "back to back, each in a fresh process; ratios are taken within a repeat. The bare limit is measured in "
+             "yoloaccum's process, on its model and the loader's batches held in memory, just before and just after "
+             "the measured epoch (the mean of the two).", "",
              "| model | yoloaccum img/s | Ultralytics img/s | ratio | bare limit img/s | share of the bare limit |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for row in rows:

@@ -107,21 +107,27 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def bare_limit(model: str, data: str, imgsz: int, micro: int, iterations: int) -> float:
-    """(b) The fastest any trainer could go: the model's forward + loss + backward on the training loader's own
-    batches, already on the device. No data loading, no logging, no optimizer. Images/s."""
-    engine = engine_for(model, imgsz, batch=micro, nbs=micro, num_batches=iterations)
-    batches = on_device(real_batches(data, imgsz, micro, iterations + 2))
-    m = engine.raw_model
+def bare_pass(model: torch.nn.Module, loss, batches: list[dict]) -> float:
+    """(b) The fastest any trainer could go: the model's forward + loss + backward on batches already on the device.
+    No data loading, no logging, no optimizer. Images/s; the first two batches warm up and are not counted.
+
+    It leaves the model as it found it: no gradients (as at a window's end) and BatchNorm's running statistics
+    restored, so that training can go on undisturbed."""
+    saved = [b.clone() for b in model.buffers()]
     for i, b in enumerate(batches):
-        if i == 2:  # the first two warm up
+        if i == 2:
             synchronize()
             start = time.perf_counter()
         with torch.autocast(DEVICE.type, enabled=AMP):
-            loss = engine.loss(m(b["img"]), b)[0]
-        loss.backward()
+            value = loss(model(b["img"]), b)[0]
+        value.backward()
     synchronize()
-    return iterations * micro / (time.perf_counter() - start)
+    images_per_second = (len(batches) - 2) * batches[0]["img"].shape[0] / (time.perf_counter() - start)
+    for p in model.parameters():
+        p.grad = None
+    for b, s in zip(model.buffers(), saved):
+        b.copy_(s)
+    return images_per_second
 
 
 def train_from_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int) -> float | None:
@@ -132,20 +138,32 @@ def train_from_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int) 
     return torch.cuda.max_memory_allocated() if CUDA else None
 
 
-def yoloaccum_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> dict:
-    """yoloaccum's trainer: images/s of its last epoch, as it logs them in results.csv."""
-    import csv
-
+def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fraction: float,
+                             iterations: int) -> dict:  # fmt: skip
+    """(a) and (b) in one process. yoloaccum's trainer, as `yoloaccum train` builds and runs it: images/s of its last
+    epoch, as it logs them in results.csv. And the bare limit on the trainer's own model, at each epoch's end, on
+    `iterations` of the training loader's batches held on the device: the mean of the passes just before and just
+    after the last epoch. Side by side in one process, the two share the machine's speed of the moment, the memory
+    layout and the threads, which fresh processes do not (these machines vary by 10-20% between runs)."""
     from yoloaccum import data as data_
     from yoloaccum import trainer
 
     project = tempfile.mkdtemp()
     args = {**TRAIN_ARGS, "model": model, "data": data, "imgsz": imgsz, "epochs": epochs, "fraction": fraction}
-    trainer.run([f"{k}={v}" for k, v in args.items()] + ["verbose=False", f"project={project}", "name=bench"])
-    with open(Path(project) / "bench/results.csv") as f:
-        img_s = float(list(csv.DictReader(f))[-1]["images_per_second"])
+    cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + ["verbose=False", f"project={project}", "name=bench"])
+    batches = on_device(real_batches(data, imgsz, cfg.batch, iterations + 2))
+    img_s, bare = [], []
+
+    class WithBareLimit(trainer.Trainer):
+        def end_epoch(self, epoch: int, images_per_second: float, seconds: float) -> bool:
+            img_s.append(images_per_second)
+            bare.append(bare_pass(self.raw_model, self.loss, batches))
+            return super().end_epoch(epoch, images_per_second, seconds)
+
+    WithBareLimit(cfg).train()
     workers = data_.loader_workers(TRAIN_ARGS["workers"], DEVICE)  # what its loader ran with
-    return {"img_s": img_s, "threads": torch.get_num_threads(), "workers": workers}
+    return {"img_s": img_s[-1], "bare_limit_img_s": (bare[-2] + bare[-1]) / 2, "threads": torch.get_num_threads(),
+            "workers": workers}  # fmt: skip
 
 
 def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> dict:
