@@ -1,7 +1,7 @@
 """The benchmark suite: yoloaccum against Ultralytics' own trainer and against the bare model, memory, accumulation
 overhead and the data pipeline.
 
-    python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 13 minutes)
+    python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 12 minutes)
     python benchmarks/bench.py --smoke    # a few iterations of everything, to keep the scripts working (CI)
 
 These machines are noisy, so nothing is compared across time: each repeat runs both trainers back to back, each in a
