@@ -92,6 +92,21 @@ def test_ema_updates_once_per_step():
     assert engine.ema.updates == engine.schedule.steps_per_epoch(0) == 3
 
 
+def test_a_skipped_window_leaves_batchnorm_statistics_as_they_were_at_its_start():
+    """The third window's loss is not finite: it is skipped, and BatchNorm's running statistics go back to their values
+    at its start, not at the start of an earlier window (the snapshot is refreshed in place each window)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+    batches = toy_batches(64, 8)  # 8 micro-batches, windows of 2
+    batches[5] = {**batches[5], "img": batches[5]["img"] * float("nan")}
+    engine = make_engine(model, num_images=64, batch=8, nbs=16)
+    seen = {}
+    engine.train_epoch(0, batches, lambda i, *_: seen.__setitem__(i, [b.clone() for b in model.buffers()]))
+    assert engine.skipped == [5]
+    assert not torch.equal(seen[4][0], seen[3][0])  # the window's first micro-batch did move them
+    assert all(torch.equal(a, b) for a, b in zip(seen[5], seen[3]))
+
+
 def test_clip_once_per_step_on_the_accumulated_gradient(monkeypatch):
     model = toy_model()
     reference = copy.deepcopy(model)

@@ -132,3 +132,45 @@ def test_freed_tensor_memory_is_reused_without_page_faults():
     _, default = python(FAULTS, env, "default").split()
     assert applied == "True"
     assert 10 * int(kept) < int(default), (kept, default)  # measured: 0 to 1,024 against 122,549
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adamax", "AdamW", "RMSProp"])
+def test_foreach_optimizer_steps_equal_the_per_tensor_loop_bit_for_bit(name):
+    """These optimizers update all tensors per operation (foreach); torch's per-tensor loop, its CPU default, must give
+    the same weights exactly, over steps whose lr and momentum change as the schedule's do. (NAdam and RAdam keep
+    torch's default: their foreach versions round differently.)"""
+    from ultralytics.nn.tasks import DetectionModel
+
+    from yoloaccum import config, optim, schedule
+
+    s = schedule.build(config.resolve(overrides=dict(optimizer=name, warmup_epochs=1, epochs=2)), num_images=256)
+    torch.manual_seed(0)
+    models = [DetectionModel("yolo11n.yaml", nc=3, verbose=False) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [optim.build_optimizer(m, s) for m in models]
+    assert all(g["foreach"] for g in optimizers[0].param_groups)
+    for g in optimizers[1].param_groups:
+        g["foreach"] = False
+    for ni in (0, 5, 40):
+        grads = [torch.randn_like(p) for p in models[0].parameters()]
+        for model, optimizer in zip(models, optimizers):
+            for p, grad in zip(model.parameters(), grads):
+                p.grad = grad.clone()
+            optim.set_hyperparameters(optimizer, s, ni)
+            optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_foreach_clipping_gives_the_same_norm_and_gradients_bit_for_bit():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in ((64, 3, 3, 3), (64,), (128, 64, 1, 1), (7,))]
+    grads = [torch.randn_like(p) * 10 for p in params]
+    results = []
+    for foreach in (False, True):
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0, foreach=foreach)
+        results.append((norm, [p.grad.clone() for p in params]))
+    (norm_loop, grads_loop), (norm_foreach, grads_foreach) = results
+    assert norm_loop > 1.0 and torch.equal(norm_loop, norm_foreach)  # it did clip
+    assert all(torch.equal(a, b) for a, b in zip(grads_loop, grads_foreach))

@@ -69,7 +69,7 @@ class Engine:
             ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
             if i == window_start:  # a skipped window must not leave its statistics in BatchNorm's running buffers
-                self.buffers_at_window_start = [b.clone() for b in self.raw_model.buffers()]
+                self._snapshot_buffers()
             if self.fault and self.fault.applies(ni):
                 self.fault.trigger(batch)
             # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
@@ -87,6 +87,14 @@ class Engine:
                     return EpochResult(i + 1, "diverged")
         assert i + 1 == nb, f"the loader gave {i + 1} batches, the schedule expects {nb}"
         return EpochResult(nb, None)
+
+    def _snapshot_buffers(self) -> None:
+        """Copy the model's buffers (BatchNorm's running statistics); after the first window, into the same tensors."""
+        buffers = list(self.raw_model.buffers())
+        if buffers and len(self.buffers_at_window_start) == len(buffers):
+            torch._foreach_copy_(self.buffers_at_window_start, buffers)
+        else:
+            self.buffers_at_window_start = [b.clone() for b in buffers]
 
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
@@ -111,7 +119,8 @@ class Engine:
         counts = distributed.all_reduce_sum(self.window_counts, self.ctx)  # one all-reduce: the global normaliser
         self.loss.normalise_gradients(counts[: n + 1], self.ctx.world_size)
         self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad)
+        # foreach: on the CPU torch would otherwise take each gradient's norm and scale it one by one; same values
+        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad, foreach=True)
         bad_losses, stop_votes, norm = torch.stack([counts[n + 1], counts[n + 2], norm.float()]).tolist()  # sync
         finite = bad_losses == 0 and (self.amp or math.isfinite(norm))
         if finite or self.amp:
