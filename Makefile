@@ -42,7 +42,7 @@ clean:
 # Benchmarks write benchmarks/results*.{md,json}; `make test` runs only their reduced forms (tests/test_bench_smoke.py).
 bench-ddp: install
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py
-bench: install  # 12 min 1 s and 12 min 6 s on 2 CPU cores (the last two runs)
+bench: install  # 12 min 1 s, 12 min 6 s and 12 min 25 s on 2 CPU cores (the last three runs)
 	$(BIN)/python benchmarks/bench.py
 
 bench-smoke: install
