@@ -80,7 +80,7 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     from ultralytics.nn.tasks import DetectionModel
     from ultralytics.utils.torch_utils import ModelEMA
 
-    runs.keep_freed_memory()  # as the trainer does; the bare limit gets it too
+    runs.keep_freed_memory()  # as the trainer does, so that the memory and accumulation probes see its allocator
     cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=0, imgsz=imgsz,
                                         optimizer="SGD"))  # fmt: skip
     s = schedule.build(cfg, num_images=batch * num_batches, nc=4)

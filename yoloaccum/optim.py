@@ -8,6 +8,10 @@ from torch import nn
 from yoloaccum.schedule import Schedule
 
 _ADAM = {"Adam", "Adamax", "AdamW", "NAdam", "RAdam"}
+# foreach: each update operation runs once over all tensors rather than once per tensor. On the CPU, where torch would
+# loop per tensor, that makes the step faster with bit-identical results (tests/test_speed_settings.py); on CUDA it is
+# torch's default anyway. NAdam's and RAdam's foreach versions round differently, so they keep torch's default.
+_FOREACH = {"SGD", "Adam", "Adamax", "AdamW", "RMSProp"}
 
 
 def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimizer:
@@ -45,16 +49,13 @@ def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimiz
                 {"params": chosen, "param_group": group, "weight_decay": decay[group], "initial_lr": base_lr,
                  "lr": base_lr, **({"use_muon": True} if group == "muon" else {})}
             )  # fmt: skip
-    # foreach: each update operation runs once over all tensors rather than once per tensor. On the CPU, where torch
-    # would loop per tensor, that makes the step faster with bit-identical results (tests/test_speed_settings.py);
-    # on CUDA it is torch's default anyway. NAdam's and RAdam's foreach versions round differently: not for them.
+    foreach = True if name in _FOREACH else None  # None: torch's default
     if name in _ADAM:
-        foreach = name not in {"NAdam", "RAdam"}
-        return getattr(torch.optim, name)(param_groups, lr=lr, betas=(momentum, 0.999), foreach=foreach or None)
+        return getattr(torch.optim, name)(param_groups, lr=lr, betas=(momentum, 0.999), foreach=foreach)
     if name == "RMSProp":
-        return torch.optim.RMSprop(param_groups, lr=lr, momentum=momentum, foreach=True)
+        return torch.optim.RMSprop(param_groups, lr=lr, momentum=momentum, foreach=foreach)
     if name == "SGD":
-        return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True, foreach=True)
+        return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True, foreach=foreach)
     from ultralytics.optim import MuSGD
 
     return MuSGD(param_groups, lr=lr, momentum=momentum, nesterov=True, muon=0.2, sgd=1.0)
