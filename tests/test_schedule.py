@@ -37,7 +37,7 @@ def test_batch_must_divide_over_devices():
 def test_accumulate_is_capped_by_the_run_length():
     s = build(num_images=16, batch=8, nbs=64, epochs=2)  # 2 batches x 2 epochs
     assert s.accumulate == 4
-    assert s.weight_decay == pytest.approx(0.0005)  # scaled before the cap, as Ultralytics
+    assert s.weight_decay == pytest.approx(0.0005 * 8 * 4 / 64)  # by the accumulate used: 32 images per step
 
 
 def test_warmup_iterations():

@@ -22,6 +22,13 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
             f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm statistics from so few images "
             "are noisy; consider bn=frozen (fine-tuning) or bn=sync (several CUDA devices)"
         )
+    if schedule.accumulate < round(cfg.nbs / cfg.batch):
+        out.append(
+            f"the run has only {schedule.total_iterations} iterations, so accumulate is capped at "
+            f"{schedule.accumulate} (round(nbs/batch) = {round(cfg.nbs / cfg.batch)}): {schedule.effective_batch} "
+            "images per optimizer "
+            "step, and weight decay is scaled by that accumulate"
+        )
     if cfg.nbs < cfg.batch:
         out.append(
             f"nbs={cfg.nbs} < batch={cfg.batch}: accumulate is 1 and weight decay is scaled up by "
@@ -105,7 +112,11 @@ def render(cfg: Config, schedule: Schedule, console: Console) -> None:
         ("devices × micro-batch", f"{s['world_size']} × {s['micro_batch_per_device']} (batch={s['batch']})"),
         ("accumulate", f"{s['accumulate']} (nbs={s['nbs']})"),
         ("effective batch", f"{s['effective_batch']} images per optimizer step"),
-        ("weight decay", f"{s['weight_decay']:g} → {s['weight_decay_scaled']:g} (× batch·accumulate/nbs)"),
+        (
+            "weight decay",
+            f"{s['weight_decay']:g} → {s['weight_decay_scaled']:g} "
+            f"(× batch·accumulate/nbs = {s['batch']}·{s['accumulate']}/{s['nbs']})",
+        ),
         ("warmup", f"{s['warmup_iterations']} iterations"),
         ("accumulate ramp", f"ni {ramp}"),
         ("optimizer", f"{s['optimizer']} lr0={s['lr0']:g}"),

@@ -52,13 +52,9 @@ class Schedule:
         return self.batches_per_epoch * self.epochs
 
     @property
-    def uncapped_accumulate(self) -> int:
-        return max(round(self.nbs / self.batch), 1)
-
-    @property
     def accumulate(self) -> int:
-        """Nominal micro-batches per window after warmup; never more than the run has."""
-        return min(self.uncapped_accumulate, self.total_iterations)
+        """Nominal micro-batches per window after warmup, round(nbs / batch); never more than the run has."""
+        return min(max(round(self.nbs / self.batch), 1), self.total_iterations)
 
     @property
     def effective_batch(self) -> int:
@@ -67,8 +63,10 @@ class Schedule:
 
     @property
     def weight_decay(self) -> float:
-        """weight_decay scaled to the images per step; like Ultralytics, from accumulate before the cap."""
-        return self.base_weight_decay * self.batch * self.uncapped_accumulate / self.nbs
+        """weight_decay scaled to the images per optimizer step, batch x accumulate / nbs, with the accumulate the run
+        uses. Ultralytics scales by round(nbs / batch) alone; the two differ only where the cap applies (a run of fewer
+        iterations than that), where Ultralytics would never step at all."""
+        return self.base_weight_decay * self.batch * self.accumulate / self.nbs
 
     @property
     def warmup_iterations(self) -> int:
