@@ -40,8 +40,8 @@ CHOICES = {
 _POSITIVE = {"epochs", "batch", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf"}
 _NON_NEGATIVE = {
     "lr0", "momentum", "weight_decay", "nan_patience", "warmup_epochs", "warmup_momentum", "warmup_bias_lr",
-    "workers", "patience", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s", "hsv_v", "degrees",
-    "translate", "scale", "shear", "perspective",
+    "workers", "patience", "precise_bn", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s", "hsv_v",
+    "degrees", "translate", "scale", "shear", "perspective",
 }  # fmt: skip
 _PROBABILITIES = {"flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix", "fraction", "conf", "iou"}
 _DERIVED = {

@@ -153,9 +153,9 @@ class EpochBatchSampler(Sampler[list[int]]):
             yield global_batch[cuts[self.rank] : cuts[self.rank + 1]]
 
 
-def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32) -> Dataset:
-    """Ultralytics' YOLODataset with its augmentations, as Ultralytics' build_yolo_dataset makes it for training;
-    it also keeps what the label scan found, for `summary`."""
+def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32, augment: bool = True) -> Dataset:
+    """Ultralytics' YOLODataset with its augmentations, as Ultralytics' build_yolo_dataset makes it for training
+    (augment=False: letterboxed only, as inference sees images); it also keeps what the label scan found."""
     from ultralytics.utils import colorstr
 
     from yoloaccum.ultra import ultralytics_args
@@ -165,8 +165,9 @@ def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32) 
     scanned_dataset = _scanned_dataset_class()
     try:
         return scanned_dataset(
-            img_path=paths if len(paths) > 1 else paths[0], imgsz=cfg.imgsz, batch_size=cfg.batch, augment=True,
-            hyp=args, rect=False, cache=cfg.cache or None, single_cls=cfg.single_cls, stride=stride, pad=0.0,
+            img_path=paths if len(paths) > 1 else paths[0], imgsz=cfg.imgsz, batch_size=cfg.batch, augment=augment,
+            hyp=args, rect=False, cache=(cfg.cache or None) if augment else None, single_cls=cfg.single_cls,
+            stride=stride, pad=0.0,
             prefix=colorstr(f"{split}: "), task="detect", classes=None, fraction=cfg.fraction,
             data={"names": spec.names, "nc": spec.nc, "channels": 3},
         )  # fmt: skip
@@ -263,4 +264,23 @@ def build_loader(
         persistent_workers=workers > 0,
         worker_init_fn=seed_worker,
         generator=torch.Generator().manual_seed(cfg.seed + rank),
+    )
+
+
+def build_bn_loader(
+    cfg: Config, spec: DatasetSpec, batch: int, rank: int, world: int, device: torch.device
+) -> DataLoader:
+    """This rank's share of the cfg.precise_bn training images that BatchNorm statistics are recomputed on: the first
+    ones of the seed's permutation, without augmentation, the same images at every recompute."""
+    from torch.utils.data import Subset
+
+    dataset = build_dataset(cfg, spec, "train", augment=False)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))
+    chosen = order[: cfg.precise_bn].tolist()
+    return DataLoader(
+        Subset(dataset, chosen[rank::world]),
+        batch_size=batch,
+        num_workers=loader_workers(cfg.workers, device),
+        collate_fn=dataset.collate_fn,
+        pin_memory=device.type == "cuda",
     )

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from yoloaccum import checkpoint, data, distributed, loss, optim, resume
+from yoloaccum import checkpoint, data, distributed, loss, optim, precise_bn, resume
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, resolve
-from yoloaccum.engine import Engine, EpochResult
+from yoloaccum.engine import Engine, EpochResult, model_input
 from yoloaccum.errors import UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
@@ -79,6 +79,8 @@ class Trainer:
         self.optimizer = self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
         val_batch = self.schedule.micro_batch * 2  # rank 0 validates alone, on one device
+        self.bn_loader = (data.build_bn_loader(cfg, self.spec, val_batch, self.ctx.rank, self.ctx.world_size,
+                                               self.ctx.device) if cfg.precise_bn else None)  # fmt: skip
         self.evaluator = Evaluator(cfg, self.spec, self.run.path, val_batch, self.ctx.device) if self.run else None
         # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
@@ -164,6 +166,8 @@ class Trainer:
         """Validate, log and save on rank 0; returns whether to stop (early stopping or the final epoch)."""
         final = epoch + 1 == self.schedule.epochs
         stop = final
+        if self.bn_loader is not None and (self.cfg.val or final):  # every rank: the statistics are summed over ranks
+            self.recompute_bn()
         if self.run is not None:
             if self.cfg.val or final:
                 self.metrics = self.evaluator.evaluate(self.ema.ema, self.loss.criterion)
@@ -176,6 +180,11 @@ class Trainer:
             stop |= self.stopper(epoch + 1, fitness)
             self.save(epoch, best=fitness == self.best_fitness, finished=stop)
         return self._agree(stop)
+
+    def recompute_bn(self) -> None:
+        """Precise BatchNorm statistics for the EMA model, the one validated and saved."""
+        device = self.ctx.device
+        precise_bn.recompute(self.ema.ema, (model_input(b["img"], device) for b in self.bn_loader), self.ctx)
 
     def _agree(self, stop: bool) -> bool:
         """Every rank stops together: rank 0 decided; the others wait here while it validated and saved."""
