@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke
+.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke fidelity
 
 install: $(STAMP)
 
@@ -42,8 +42,13 @@ clean:
 # Benchmarks write benchmarks/results*.{md,json}; `make test` runs only their reduced forms (tests/test_bench_smoke.py).
 bench-ddp: install
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py
-bench: install  # 12 min 1 s, 12 min 6 s and 12 min 25 s on 2 CPU cores (the last three runs)
+bench: install  # about 12 minutes on 2 CPU cores (docs/performance.md)
 	$(BIN)/python benchmarks/bench.py
 
 bench-smoke: install
 	$(BIN)/python benchmarks/bench.py --smoke
+
+# Accuracy over seeds against a real batch of 64 and Ultralytics' trainer: benchmarks/fidelity.{md,json,png}. Long
+# (hours on 2 CPU cores); finished runs are kept in fidelity.json, so it continues where it stopped.
+fidelity: install
+	$(BIN)/python benchmarks/fidelity.py

@@ -43,14 +43,14 @@ from common import (  # noqa: E402
 median = statistics.median
 
 
-def command(function: str, *args) -> list[str]:
-    """A fresh Python process that prints common.function(*args) as JSON on its last line."""
-    code = f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import common; "
-    return [sys.executable, "-c", code + f"print(json.dumps(common.{function}(*{args!r})))"]
+def command(function: str, *args, module: str = "common") -> list[str]:
+    """A fresh Python process that prints module.function(*args) as JSON on its last line."""
+    code = f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import {module}; "
+    return [sys.executable, "-c", code + f"print(json.dumps({module}.{function}(*{args!r})))"]
 
 
-def fresh(function: str, *args):
-    r = subprocess.run(command(function, *args), capture_output=True, text=True)
+def fresh(function: str, *args, module: str = "common"):
+    r = subprocess.run(command(function, *args, module=module), capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{function}{args} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -30,13 +30,14 @@ TRAIN_ARGS = dict(batch=8, nbs=64, workers=2, cache="ram", close_mosaic=0, warmu
                   amp=AMP, device="0" if CUDA else "cpu")  # fmt: skip
 
 
-def shapes_data(folder: str | None, smoke: bool) -> Path:
-    """The shapes set as an absolute-path YAML (Ultralytics resolves relative paths elsewhere); small for --smoke."""
+def shapes_data(folder: str | None, smoke: bool, counts: dict | None = None) -> Path:
+    """The shapes set as an absolute-path YAML (Ultralytics resolves relative paths elsewhere); small for --smoke,
+    or made with the given generator counts."""
     from yoloaccum import shapes
 
     root = Path(folder) / "shapes" if folder else REPO / "datasets/shapes"
     recipe = yaml.safe_load((REPO / SHAPES_YAML).read_text())["yoloaccum_generate"]
-    counts = {"num_train": 48, "num_val": 8, "imgsz": 64, "seed": 0} if smoke else recipe
+    counts = counts or ({"num_train": 48, "num_val": 8, "imgsz": 64, "seed": 0} if smoke else recipe)
     shapes.ensure(root, **counts)
     spec = {"path": str(root), "train": "images/train", "val": "images/val", "names": dict(enumerate(shapes.CLASSES))}
     path = Path(tempfile.mkdtemp()) / "shapes.yaml"

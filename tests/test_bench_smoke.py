@@ -30,3 +30,16 @@ def test_bench_ddp_quick_counts_one_all_reduce_per_window():
     row = next(line for line in r.stdout.splitlines() if line.startswith("| 8 |")).split("|")
     with_no_sync, every_micro_batch = float(row[5]), float(row[6])
     assert every_micro_batch == 8 * with_no_sync  # the same buckets, once per micro-batch instead of once per window
+
+
+def test_fidelity_smoke_writes_the_report_table_and_plot(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--smoke", "--out", str(tmp_path)], cwd=REPO,
+                       env=offline_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (runs,) = json.loads((tmp_path / "fidelity.json").read_text()).values()
+    assert sorted(runs) == ["b64", "b8", "ultralytics-b8"] and all(sorted(r) == ["0", "1"] for r in runs.values())
+    first = runs["b8"]["0"]
+    assert set(first) == {"seconds", "curve", "raw", "precise"} and len(first["curve"]) == 1  # one epoch validated
+    table = (tmp_path / "fidelity.md").read_text()
+    assert "| ultralytics-b8 | precise |" in table and "| b64 | raw |" in table
+    assert (tmp_path / "fidelity.png").stat().st_size > 0

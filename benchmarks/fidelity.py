@@ -1,0 +1,236 @@
+"""Accuracy over seeds: one recipe trained several ways, each with the same seeds, against a real batch of 64.
+
+    python benchmarks/fidelity.py             # all configurations x 5 seeds: writes benchmarks/fidelity.{md,json,png}
+    python benchmarks/fidelity.py --configs b64 b8 --seeds 0 1 2
+    python benchmarks/fidelity.py --smoke     # 3 configurations x 2 seeds x 1 epoch on a tiny set, into a temp folder
+
+Every run trains in a fresh process, then its final EMA weights (last.pt) are validated twice: with the BatchNorm
+statistics training left, and with precise statistics recomputed over all training images (yoloaccum's
+precise_bn). The runs train with precise_bn=0: the EMA is never read by training, so the trajectory is the same
+either way and one run gives both figures. Finished runs are kept in the JSON, keyed by their settings, so an
+interrupted benchmark continues where it stopped and new seeds add to the old ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench import fresh  # noqa: E402
+
+# name: (trainer, settings beyond the recipe). bn=sync needs several CUDA devices, so batch 2 runs batch and frozen.
+CONFIGS = {
+    "b64": ("yoloaccum", {"batch": 64}),
+    "b8": ("yoloaccum", {"batch": 8}),
+    "b8-micro": ("yoloaccum", {"batch": 8, "norm": "micro"}),
+    "b2": ("yoloaccum", {"batch": 2}),
+    "b2-frozen": ("yoloaccum", {"batch": 2, "bn": "frozen"}),
+    "ultralytics-b8": ("ultralytics", {"batch": 8}),
+    "ultralytics-b64": ("ultralytics", {"batch": 64}),
+}
+REFERENCE = "b64"
+FULL = {"images": 256, "val_images": 64, "imgsz": 160, "epochs": 30}
+SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1}
+RECIPE = {"model": "yolo26n.yaml", "nbs": 64, "warmup_epochs": 1, "close_mosaic": 5, "workers": 0}
+METRICS = ("metrics/mAP50(B)", "metrics/mAP50-95(B)")
+# Two-sided 95% quantiles of Student's t for 1 to 10 degrees of freedom (a paired interval over 2 to 11 seeds).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, folder: str) -> dict:
+    """In a fresh process: one training run, then its last.pt validated with and without precise BatchNorm."""
+    from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
+
+    data = shapes_data(folder, smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
+                                                    "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
+    args = {**RECIPE, **settings, "data": str(data), "imgsz": size["imgsz"], "epochs": size["epochs"], "seed": seed,
+            "plots": False}  # fmt: skip
+    start = time.perf_counter()
+    if trainer == "yoloaccum":
+        from yoloaccum import trainer as trainer_
+
+        run_dir = Path(folder) / f"run{seed}"
+        trainer_.run([f"{k}={v}" for k, v in {**args, "project": folder, "name": run_dir.name, "exist_ok": True,
+                                               "precise_bn": 0, "verbose": False}.items()])  # fmt: skip
+    else:
+        from ultralytics import YOLO
+
+        YOLO(args.pop("model")).train(**args, project=folder, name=f"run{seed}", exist_ok=True, pretrained=False,
+                                      deterministic=True, device="cpu", verbose=False)  # fmt: skip
+        run_dir = Path(folder) / f"run{seed}"
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "curve": _curve(run_dir / "results.csv"),
+            **final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], size["images"])}  # fmt: skip
+
+
+def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) -> dict:
+    """Validation metrics of a checkpoint's EMA as trained, then with its BatchNorm statistics recomputed."""
+    import torch
+
+    from yoloaccum import checkpoint, config, distributed, precise_bn
+    from yoloaccum import data as data_
+    from yoloaccum.engine import model_input
+    from yoloaccum.validate import Evaluator
+
+    cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "precise_bn": precise_images, "workers": 0})
+    spec = data_.load_spec(cfg.data)
+    cpu = torch.device("cpu")
+    model = checkpoint.model_of(checkpoint.load(weights, trust=True))
+    evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
+    out = {"raw": _pick(evaluator.evaluate(model))}
+    loader = data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)
+    precise_bn.recompute(model, (model_input(b["img"], cpu) for b in loader), distributed.Context(0, 0, 1, cpu))
+    out["precise"] = _pick(evaluator.evaluate(model))
+    return out
+
+
+def _pick(metrics: dict) -> dict:
+    return {k: round(metrics[k], 5) for k in METRICS}
+
+
+def _curve(results_csv: Path) -> list[float]:
+    """Validation mAP50-95 per epoch, from a results.csv of either trainer."""
+    import csv
+
+    with results_csv.open() as f:
+        return [float(row[METRICS[1]]) for row in csv.DictReader(f, skipinitialspace=True)]
+
+
+def paired(values: list[float], reference: list[float]) -> dict:
+    """Mean paired difference with a 95% t interval (seeds that both have)."""
+    diffs = [a - b for a, b in zip(values, reference)]
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return {"mean": mean, "low": None, "high": None, "n": len(diffs)}
+    half = T95[min(len(diffs) - 2, len(T95) - 1)] * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(diffs)}
+
+
+def summarise(runs: dict, configs: list[str], seeds: list[int]) -> dict:
+    """Per configuration and BatchNorm variant: each seed's final metrics, mean, sd, and the paired difference."""
+    out = {}
+    for name in configs:
+        for variant in ("raw", "precise"):
+            row = {}
+            for metric in METRICS:
+                values = [runs[name][str(s)][variant][metric] for s in seeds if str(s) in runs.get(name, {})]
+                if not values:
+                    continue
+                ref = [runs[REFERENCE][str(s)][variant][metric] for s in seeds if str(s) in runs.get(REFERENCE, {})
+                       and str(s) in runs[name]]  # fmt: skip
+                mine = [runs[name][str(s)][variant][metric] for s in seeds if str(s) in runs.get(REFERENCE, {})
+                        and str(s) in runs[name]]  # fmt: skip
+                row[metric] = {"seeds": values, "mean": statistics.fmean(values),
+                               "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                               "vs_reference": paired(mine, ref) if ref else None}  # fmt: skip
+            out[f"{name} {variant}"] = row
+    return out
+
+
+def report(summary: dict, size: dict, seeds: list[int], minutes: float) -> str:
+    def f(x):
+        return "–" if x is None else f"{x:+.3f}"
+
+    lines = [
+        "# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py`)",
+        "",
+        f"Shapes set, {size['images']} training and {size['val_images']} validation images at {size['imgsz']} px, "
+        f"yolo26n, {size['epochs']} epochs, nbs 64, warmup 1, close_mosaic 5, seeds {', '.join(map(str, seeds))}. "
+        f"raw: the EMA's BatchNorm statistics as trained; precise: recomputed over all training images. "
+        f"Paired difference: against {REFERENCE} (a real batch of 64) with the same seed and variant, 95% t interval. "
+        f"This run of the benchmark took {minutes:.0f} min.",
+        "",
+        "| run | BN | mAP50 per seed | mAP50 mean ± sd | mAP50-95 per seed | mAP50-95 mean ± sd | ratio "
+        "| paired diff [95%] |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, row in summary.items():
+        if not row:
+            continue
+        name, variant = key.split()
+        m50, m = row[METRICS[0]], row[METRICS[1]]
+        ref = summary.get(f"{REFERENCE} {variant}", {}).get(METRICS[1])
+        ratio = f"{m['mean'] / ref['mean']:.2f}" if ref and ref["mean"] else "–"
+        d = m["vs_reference"] or {}
+        interval = f"{f(d.get('mean'))} [{f(d.get('low'))}, {f(d.get('high'))}]" if d else "–"
+        lines.append(
+            f"| {name} | {variant} | {' '.join(f'{v:.3f}' for v in m50['seeds'])} | {m50['mean']:.3f} ± "
+            f"{m50['sd']:.3f} | {' '.join(f'{v:.3f}' for v in m['seeds'])} | {m['mean']:.3f} ± {m['sd']:.3f} | "
+            f"{ratio} | {interval} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, configs: list[str], path: Path) -> None:
+    """Validation mAP50-95 by epoch (BatchNorm as trained): the mean over seeds, with a band from min to max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in configs:
+        curves = [r["curve"] for r in runs.get(name, {}).values() if r["curve"]]
+        if not curves:
+            continue
+        n = min(map(len, curves))
+        a = np.array([c[:n] for c in curves])
+        epochs = np.arange(1, n + 1)
+        ax.plot(epochs, a.mean(0), label=f"{name} ({len(curves)} seeds)")
+        ax.fill_between(epochs, a.min(0), a.max(0), alpha=0.15)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("val mAP50-95 (BatchNorm as trained)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny version that only checks the benchmark runs")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--out", type=Path, help="folder for fidelity.{md,json,png}: benchmarks/, or a temporary one")
+    a = parser.parse_args()
+    if a.smoke:
+        a.configs, a.seeds = ["b64", "b8", "ultralytics-b8"], [0, 1]
+    a.out = a.out or (Path(tempfile.mkdtemp()) if a.smoke else HERE)
+    size = SMOKE if a.smoke else FULL
+    a.out.mkdir(parents=True, exist_ok=True)
+    store = a.out / "fidelity.json"
+    saved = json.loads(store.read_text()) if store.exists() else {}
+    key = json.dumps({**size, **RECIPE}, sort_keys=True)  # runs of other settings are kept apart, never mixed
+    runs = saved.setdefault(key, {})
+    work = Path(tempfile.mkdtemp(prefix="fidelity-"))
+    start = time.perf_counter()
+    for seed in a.seeds:  # seed-major: a stopped benchmark still has complete pairs
+        for name in a.configs:
+            if str(seed) in runs.get(name, {}):
+                continue
+            trainer, settings = CONFIGS[name]
+            folder = work / name
+            print(f"{name} seed {seed} ...", flush=True)
+            result = fresh("train_and_evaluate", trainer, settings, size, seed, str(folder), module="fidelity")
+            runs.setdefault(name, {})[str(seed)] = result
+            print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
+            store.write_text(json.dumps(saved, indent=1))
+    minutes = (time.perf_counter() - start) / 60
+    summary = summarise(runs, a.configs, a.seeds)
+    (a.out / "fidelity.md").write_text(report(summary, size, a.seeds, minutes))
+    plot(runs, a.configs, a.out / "fidelity.png")
+    print((a.out / "fidelity.md").read_text())
+    print(f"written: {a.out / 'fidelity.md'}, fidelity.json, fidelity.png")
+
+
+if __name__ == "__main__":
+    main()
