@@ -76,12 +76,30 @@ def test_replace_returns_a_validated_copy() -> None:
     cfg = config.resolve([])
     smaller = cfg.replace(batch=4)
     assert (smaller.batch, cfg.batch) == (4, 16)
-    with pytest.raises(UserError, match="batch=0 must be greater than 0"):
+    with pytest.raises(UserError, match="batch=0 must be a whole number of images"):
         cfg.replace(batch=0)
     with pytest.raises(UserError, match="did you mean 'batch'"):
         cfg.replace(bacth=4)
     with pytest.raises(UserError, match="nbs"):
         cfg.replace(accumulate=4)
+
+
+@pytest.mark.parametrize(("given", "canonical"), [("sgd", "SGD"), ("adamw", "AdamW"), ("RMSProp", "RMSprop"),
+                                                  ("musgd", "MuSGD"), ("AUTO", "auto")])  # fmt: skip
+def test_optimizer_names_match_in_any_case_as_in_ultralytics(tmp_path: Path, given: str, canonical: str) -> None:
+    assert config.resolve([f"optimizer={given}"]).optimizer == canonical
+    assert config.resolve([_recipe(tmp_path, f"optimizer: {given}\n")]).optimizer == canonical
+
+
+@pytest.mark.parametrize(("given", "value"), [("-1", -1), ("0.7", 0.7), ("16.0", 16), ("1e1", 10)])
+def test_batch_accepts_what_ultralytics_accepts(given: str, value: float) -> None:
+    assert config.resolve([f"batch={given}"]).batch == value
+
+
+@pytest.mark.parametrize("given", ["2.5", "-3", "0", "1.5"])
+def test_batch_out_of_range_says_what_to_give(given: str) -> None:
+    with pytest.raises(UserError, match=rf"batch={given} must be a whole number of images, e.g. batch=16"):
+        config.resolve([f"batch={given}"])
 
 
 def test_imgsz_must_be_a_multiple_of_32() -> None:
