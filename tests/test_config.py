@@ -143,8 +143,40 @@ def test_ultralytics_keys_that_change_something_are_reported(tmp_path: Path) -> 
     assert cfg.batch == 8
 
 
+# Every key of Ultralytics' default.yaml: used with Ultralytics' meaning, or ignored (reported when a recipe sets it).
+USED_AS_ULTRALYTICS = (
+    "model", "data", "epochs", "patience", "batch", "imgsz", "save", "save_period", "cache", "device", "workers",
+    "project", "name", "exist_ok", "pretrained", "optimizer", "verbose", "seed", "deterministic", "single_cls",
+    "cos_lr", "close_mosaic", "resume", "amp", "fraction", "channels_last", "val", "split", "conf", "iou", "max_det",
+    "plots", "source", "lr0", "lrf", "momentum", "weight_decay", "warmup_epochs", "warmup_momentum",
+    "warmup_bias_lr", "box", "cls", "dfl", "nbs", "hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
+    "perspective", "flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix",
+)  # fmt: skip
+IGNORED = {
+    "other tasks and modes": ("task", "mode", "cls_remap", "overlap_mask", "mask_ratio", "pose", "kobj", "rle",
+                              "angle", "dlog", "dgrad", "dlam", "dis", "distill_model", "tracker"),
+    "predict, export and display options": ("save_json", "quantize", "dnn", "nms", "vid_stride", "stream_buffer",
+                                            "visualize", "augment", "agnostic_nms", "classes", "retina_masks", "embed",
+                                            "show", "save_frames", "save_txt", "save_conf", "save_crop", "show_labels",
+                                            "show_conf", "show_boxes", "line_width", "format", "optimize", "dynamic",
+                                            "simplify", "opset", "workspace"),
+    "training features yoloaccum does not have": ("time", "rect", "profile", "freeze", "multi_scale", "compile",
+                                                  "dropout", "cls_pw", "copy_paste", "copy_paste_mode",
+                                                  "auto_augment", "erasing"),
+    "the recipe itself (cfg= names it)": ("cfg",),
+}  # fmt: skip
+
+
 def test_ultralytics_default_yaml_loads_as_a_recipe(tmp_path: Path) -> None:
+    """Every key at its default is accepted; each is used with Ultralytics' meaning or listed as ignored above."""
     ultra = config.ultralytics_defaults()
+    ignored = [k for keys in IGNORED.values() for k in keys]
+    assert sorted(USED_AS_ULTRALYTICS + tuple(ignored)) == sorted(ultra), "a new Ultralytics key: decide, then list it"
     cfg = config.resolve([_recipe(tmp_path, yaml.safe_dump(ultra))])
     assert cfg.ignored == ()
-    assert cfg.batch == ultra["batch"] and cfg.nbs == ultra["nbs"]
+    ours = config.schema()
+    for k in USED_AS_ULTRALYTICS:
+        # An empty value (model:, channels_last:) means "not set": our default stands.
+        assert cfg[k] == (ultra[k] if ultra[k] is not None else ours[k].default), k
+    changed = {**ultra, **{k: "changed" for k in ignored}}
+    assert set(config.resolve([_recipe(tmp_path, yaml.safe_dump(changed))]).ignored) == set(ignored) - {"cfg"}
