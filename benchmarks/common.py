@@ -156,10 +156,10 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
     img_s, bare = [], []
 
     class WithBareLimit(trainer.Trainer):
-        def end_epoch(self, epoch: int, images_per_second: float, seconds: float) -> bool:
+        def end_epoch(self, epoch: int, images_per_second: float) -> str | None:
             img_s.append(images_per_second)
             bare.append(bare_pass(self.raw_model, self.loss, batches))
-            return super().end_epoch(epoch, images_per_second, seconds)
+            return super().end_epoch(epoch, images_per_second)
 
     WithBareLimit(cfg).train()
     workers = data_.loader_workers(TRAIN_ARGS["workers"], DEVICE)  # what its loader ran with

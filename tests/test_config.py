@@ -76,12 +76,30 @@ def test_replace_returns_a_validated_copy() -> None:
     cfg = config.resolve([])
     smaller = cfg.replace(batch=4)
     assert (smaller.batch, cfg.batch) == (4, 16)
-    with pytest.raises(UserError, match="batch=0 must be greater than 0"):
+    with pytest.raises(UserError, match="batch=0 must be a whole number of images"):
         cfg.replace(batch=0)
     with pytest.raises(UserError, match="did you mean 'batch'"):
         cfg.replace(bacth=4)
     with pytest.raises(UserError, match="nbs"):
         cfg.replace(accumulate=4)
+
+
+@pytest.mark.parametrize(("given", "canonical"), [("sgd", "SGD"), ("adamw", "AdamW"), ("RMSProp", "RMSprop"),
+                                                  ("musgd", "MuSGD"), ("AUTO", "auto")])  # fmt: skip
+def test_optimizer_names_match_in_any_case_as_in_ultralytics(tmp_path: Path, given: str, canonical: str) -> None:
+    assert config.resolve([f"optimizer={given}"]).optimizer == canonical
+    assert config.resolve([_recipe(tmp_path, f"optimizer: {given}\n")]).optimizer == canonical
+
+
+@pytest.mark.parametrize(("given", "value"), [("-1", -1), ("0.7", 0.7), ("16.0", 16), ("1e1", 10)])
+def test_batch_accepts_what_ultralytics_accepts(given: str, value: float) -> None:
+    assert config.resolve([f"batch={given}"]).batch == value
+
+
+@pytest.mark.parametrize("given", ["2.5", "-3", "0", "1.5"])
+def test_batch_out_of_range_says_what_to_give(given: str) -> None:
+    with pytest.raises(UserError, match=rf"batch={given} must be a whole number of images, e.g. batch=16"):
+        config.resolve([f"batch={given}"])
 
 
 def test_imgsz_must_be_a_multiple_of_32() -> None:
@@ -125,8 +143,40 @@ def test_ultralytics_keys_that_change_something_are_reported(tmp_path: Path) -> 
     assert cfg.batch == 8
 
 
+# Every key of Ultralytics' default.yaml: used with Ultralytics' meaning, or ignored (reported when a recipe sets it).
+USED_AS_ULTRALYTICS = (
+    "model", "data", "epochs", "patience", "batch", "imgsz", "save", "save_period", "cache", "device", "workers",
+    "project", "name", "exist_ok", "pretrained", "optimizer", "verbose", "seed", "deterministic", "single_cls",
+    "cos_lr", "close_mosaic", "resume", "amp", "fraction", "channels_last", "val", "split", "conf", "iou", "max_det",
+    "plots", "source", "lr0", "lrf", "momentum", "weight_decay", "warmup_epochs", "warmup_momentum",
+    "warmup_bias_lr", "box", "cls", "dfl", "nbs", "hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
+    "perspective", "flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix",
+)  # fmt: skip
+IGNORED = {
+    "other tasks and modes": ("task", "mode", "cls_remap", "overlap_mask", "mask_ratio", "pose", "kobj", "rle",
+                              "angle", "dlog", "dgrad", "dlam", "dis", "distill_model", "tracker"),
+    "predict, export and display options": ("save_json", "quantize", "dnn", "nms", "vid_stride", "stream_buffer",
+                                            "visualize", "augment", "agnostic_nms", "classes", "retina_masks", "embed",
+                                            "show", "save_frames", "save_txt", "save_conf", "save_crop", "show_labels",
+                                            "show_conf", "show_boxes", "line_width", "format", "optimize", "dynamic",
+                                            "simplify", "opset", "workspace"),
+    "training features yoloaccum does not have": ("time", "rect", "profile", "freeze", "multi_scale", "compile",
+                                                  "dropout", "cls_pw", "copy_paste", "copy_paste_mode",
+                                                  "auto_augment", "erasing"),
+    "the recipe itself (cfg= names it)": ("cfg",),
+}  # fmt: skip
+
+
 def test_ultralytics_default_yaml_loads_as_a_recipe(tmp_path: Path) -> None:
+    """Every key at its default is accepted; each is used with Ultralytics' meaning or listed as ignored above."""
     ultra = config.ultralytics_defaults()
+    ignored = [k for keys in IGNORED.values() for k in keys]
+    assert sorted(USED_AS_ULTRALYTICS + tuple(ignored)) == sorted(ultra), "a new Ultralytics key: decide, then list it"
     cfg = config.resolve([_recipe(tmp_path, yaml.safe_dump(ultra))])
     assert cfg.ignored == ()
-    assert cfg.batch == ultra["batch"] and cfg.nbs == ultra["nbs"]
+    ours = config.schema()
+    for k in USED_AS_ULTRALYTICS:
+        # An empty value (model:, channels_last:) means "not set": our default stands.
+        assert cfg[k] == (ultra[k] if ultra[k] is not None else ours[k].default), k
+    changed = {**ultra, **{k: "changed" for k in ignored}}
+    assert set(config.resolve([_recipe(tmp_path, yaml.safe_dump(changed))]).ignored) == set(ignored) - {"cfg"}

@@ -83,7 +83,18 @@ def test_cosine_lr_factor():
 def test_optimizer_auto(num_images, nc, expected):
     s = build(num_images=num_images, nc=nc, optimizer="auto", batch=16, nbs=64, epochs=100)
     assert (s.optimizer, s.lr0) == expected
-    assert s.momentum == 0.9 and s.warmup_bias_lr == 0.0
+    assert s.initial_momentum == 0.9 and s.warmup_bias_lr == 0.0
+
+
+def test_optimizer_auto_musgd_warms_up_to_the_recipe_momentum():
+    # Ultralytics builds MuSGD at 0.9, then its warmup ramps every group's momentum to args.momentum, kept after.
+    s = build(num_images=10**6, optimizer="auto", batch=16, nbs=64, epochs=100, momentum=0.937)
+    nw = s.warmup_iterations
+    assert s.momentum_at(0) == pytest.approx(0.8)
+    assert s.momentum_at(nw) == s.momentum_at(nw + 10**5) == pytest.approx(0.937)
+    # Without warmup nothing moves it from where it was built; AdamW's beta1 is never ramped.
+    assert build(num_images=10**6, optimizer="auto", warmup_epochs=0, epochs=100).momentum_at(10**5) == 0.9
+    assert build(num_images=512, optimizer="auto", epochs=100).momentum_at(10**4) == 0.9
 
 
 def test_step_remainder_windows_never_span_epochs():

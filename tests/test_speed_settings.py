@@ -148,7 +148,7 @@ def test_freed_tensor_memory_stays_in_the_heap_for_the_next_micro_batch():
     assert int(faults) < 12_288, faults
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adam", "Adamax", "AdamW", "RMSProp"])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adamax", "AdamW", "RMSprop"])
 def test_foreach_optimizer_steps_equal_the_per_tensor_loop_bit_for_bit(name):
     """These optimizers update all tensors per operation (foreach); torch's per-tensor loop, its CPU default, must give
     the same weights exactly, over steps whose lr and momentum change as the schedule's do. (NAdam and RAdam keep

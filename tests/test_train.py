@@ -59,6 +59,39 @@ def test_results_csv_has_ultralytics_and_accumulation_columns(smoke_run):
         assert math.isfinite(float(value)), key
 
 
+def test_final_figures_are_best_pts_as_in_ultralytics(smoke_train):
+    out = smoke_train[1]
+    assert "final figures:" in out and "best.pt validated" in out
+    assert out.index("final figures:") > out.index("epoch 2/2\n")  # after the last epoch's own table
+
+
+def test_pretrained_false_trains_a_pt_model_from_scratch(smoke_run, smoke_data):
+    """As Ultralytics: model=x.pt pretrained=False takes the architecture only."""
+    from yoloaccum import checkpoint, config, data, model
+
+    spec = data.load_spec(str(smoke_data))
+    saved = checkpoint.model_of(checkpoint.load(smoke_run / "weights/best.pt")).state_dict()
+    for pretrained, loaded in ((True, True), (False, False)):
+        cfg = config.resolve([f"model={smoke_run / 'weights/best.pt'}", f"pretrained={pretrained}"])
+        built = model.build(cfg, spec, announce=False).state_dict()
+        same = all(torch.equal(built[k], v) for k, v in saved.items() if v.is_floating_point() and v.ndim == 4)
+        assert same == loaded, pretrained
+
+
+def test_save_false_and_val_false(smoke_data, tmp_path, run_cli):
+    """No weights and no claim of any; no table of zeros for the epochs not validated; results.csv's time is
+    cumulative, as Ultralytics writes it."""
+    r = run_cli("train", f"data={smoke_data}", "epochs=2", f"project={tmp_path}", "name=nosave", "save=False",
+                "val=False", *SMOKE, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert not list((tmp_path / "nosave/weights").iterdir())
+    assert "best.pt" not in r.stdout and r.stdout.strip().splitlines()[-1].startswith("no weights saved (save=False)")
+    lines = [line.strip() for line in r.stdout.splitlines()]
+    assert "epoch 1/2" not in lines and "epoch 2/2" in lines  # only the final epoch validates, so only it has a table
+    first, second = (float(row["time"]) for row in read_results(tmp_path / "nosave"))
+    assert second > 1.3 * first  # the second row includes the first epoch's time
+
+
 def test_best_pt_opens_in_ultralytics_and_predicts(smoke_run):
     from ultralytics import YOLO
     from ultralytics.utils import ASSETS

@@ -18,6 +18,9 @@ import torch
 
 from yoloaccum.errors import UserError
 
+_UMASK = os.umask(0o022)  # reading the umask means setting it: once, at import, before any thread could write a file
+os.umask(_UMASK)
+
 
 def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
     """Serialise once, then write each path atomically: a temporary file in the same folder, fsync, rename. A kill
@@ -32,6 +35,7 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; written files follow the umask, as open() would
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

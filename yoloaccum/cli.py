@@ -1,7 +1,7 @@
 """The command line: parse key=value arguments, set up output and exit codes, and call one function per command.
 
-No training logic lives here. A UserError becomes exit code 2 and one line on stderr; the traceback is shown only
-with --verbose or YOLOACCUM_DEBUG=1. Anything else is a bug and raises.
+No training logic lives here. A UserError becomes exit code 2 and one line on stderr, a diverged run exit code 3;
+the traceback is shown only with --verbose or YOLOACCUM_DEBUG=1. Anything else is a bug and raises.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from yoloaccum import __version__
-from yoloaccum.errors import UserError
+from yoloaccum.errors import Diverged, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -150,11 +150,11 @@ def run() -> None:
     except Interrupted as e:  # a graceful stop: last.pt is saved, and the message says how to resume
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)
-    except UserError as e:
+    except (UserError, Diverged) as e:
         if verbose or os.environ.get("YOLOACCUM_DEBUG") == "1":
             raise
         Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {e}", soft_wrap=True)
-        sys.exit(2)
+        sys.exit(e.exit_code if isinstance(e, Diverged) else 2)
 
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ CHOICES = {
     "bn": ("batch", "frozen", "sync"),
     "remainder": ("step", "carry"),
     "split": ("val", "test"),
-    "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSProp"),
+    "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop"),
 }
-_POSITIVE = {"epochs", "batch", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf"}
+_ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Config keeps the spelling above
+_POSITIVE = {"epochs", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf"}
 _NON_NEGATIVE = {
     "lr0", "momentum", "weight_decay", "nan_patience", "warmup_epochs", "warmup_momentum", "warmup_bias_lr",
     "workers", "patience", "precise_bn", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s", "hsv_v",
@@ -222,6 +223,10 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(v, int) and not isinstance(v, bool) and float in spec.types and int not in spec.types:
             v = values[k] = float(v)
+        if isinstance(v, float) and v.is_integer() and int in spec.types and (float not in spec.types or v >= 1):
+            v = values[k] = int(v)  # as Ultralytics: epochs=1e2 is 100; batch=16.0 is 16 images
+        if k in _ANY_CASE and isinstance(v, str):
+            v = values[k] = next((c for c in CHOICES[k] if c.lower() == v.lower()), v)
         if isinstance(v, bool) and bool not in spec.types or not isinstance(v, spec.types):
             raise UserError(f"{k}={v!r} is not {_type_name(spec)}; e.g. {k}={spec.default}")
         if isinstance(v, float) and not math.isfinite(v):
@@ -235,6 +240,8 @@ def _check_range(k: str, v: Any) -> None:
         raise UserError(f"{k}={v} is not one of {', '.join(CHOICES[k])}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return
+    if k == "batch":
+        _check_batch(v)
     if k in _POSITIVE and v <= 0:
         raise UserError(f"{k}={v} must be greater than 0")
     if k in _NON_NEGATIVE and v < 0:
@@ -244,6 +251,20 @@ def _check_range(k: str, v: Any) -> None:
     if k == "imgsz" and v % 32:
         raise UserError(
             f"imgsz={v} must be a multiple of 32, the largest model stride; e.g. imgsz={max(32, v // 32 * 32)}"
+        )
+
+
+def is_auto_batch(batch: int | float) -> bool:
+    """Ultralytics' AutoBatch values: -1 (60% of CUDA memory) or a fraction of it."""
+    return batch == -1 or 0 < batch < 1
+
+
+def _check_batch(v: int | float) -> None:
+    # AutoBatch values are accepted here, as by Ultralytics, so that its recipes load; training refuses them.
+    if not is_auto_batch(v) and not (v >= 1 and float(v).is_integer()):
+        raise UserError(
+            f"batch={v} must be a whole number of images, e.g. batch=16 (-1 or a fraction such as 0.7 asks for "
+            "Ultralytics' AutoBatch, which yoloaccum does not support yet)"
         )
 
 

@@ -79,7 +79,10 @@ def wrap(model: nn.Module, ctx: Context, bn: str) -> nn.Module:
     if ctx.world_size < 2:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    # Buffers are not broadcast from rank 0 at each forward: that would be a second collective per window, on top of
+    # the gradient all-reduce. Each rank keeps its own BatchNorm statistics, as Ultralytics does (torch >= 2.13 names
+    # the switch forward_sync_buffers; broadcast_buffers is its deprecated alias).
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
 
 
 def no_sync(model: nn.Module, skip: bool):

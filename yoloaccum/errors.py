@@ -1,5 +1,11 @@
-"""The one exception type for mistakes a user can fix; the CLI turns it into exit code 2 and one line."""
+"""The exceptions the CLI turns into exit codes: a UserError (2) and a diverged run (3), each as one line."""
 
 
 class UserError(Exception):
     """A problem in the user's input (config, paths, data, devices) whose message says what to do."""
+
+
+class Diverged(Exception):
+    """Training stopped after nan_patience non-finite windows in a row; last.pt holds the last good state."""
+
+    exit_code = 3  # distinct from usage errors (2) and signals (130, 143), so scripts can retry with other settings

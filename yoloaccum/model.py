@@ -37,6 +37,8 @@ def build(cfg: Config, spec: DatasetSpec, verbose: bool = False, announce: bool 
     if str(cfg.model).endswith(".pt"):
         source, source_path = checkpoint.model_of(checkpoint.load(cfg.model, cfg.trust_weights)), cfg.model
         model = DetectionModel(source.yaml, nc=spec.nc, verbose=verbose)
+        if cfg.pretrained is False:  # as Ultralytics: the .pt's architecture, trained from scratch
+            source = None
     else:
         model = DetectionModel(resolve_yaml(cfg.model), nc=spec.nc, verbose=verbose)
     model.names = dict(spec.names)

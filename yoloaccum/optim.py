@@ -7,11 +7,10 @@ from torch import nn
 
 from yoloaccum.schedule import Schedule
 
-_ADAM = {"Adam", "Adamax", "AdamW", "NAdam", "RAdam"}
 # foreach: each update operation runs once over all tensors rather than once per tensor. On the CPU, where torch would
 # loop per tensor, that makes the step faster with bit-identical results (tests/test_speed_settings.py); on CUDA it is
 # torch's default anyway. NAdam's and RAdam's foreach versions round differently, so they keep torch's default.
-_FOREACH = {"SGD", "Adam", "Adamax", "AdamW", "RMSProp"}
+_FOREACH = {"SGD", "Adam", "Adamax", "AdamW", "RMSprop"}
 
 
 def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimizer:
@@ -20,7 +19,7 @@ def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimiz
     Each group records its `initial_lr` (lr0, or 3 x lr0 for MuSGD's heads) and `param_group` name; set_hyperparameters
     derives the current values from those and the schedule.
     """
-    name, lr, momentum = schedule.optimizer, schedule.lr0, schedule.momentum
+    name = schedule.optimizer
     norm_types = tuple(v for k, v in nn.__dict__.items() if "Norm" in k)
     use_muon = name == "MuSGD"
     groups: dict[str, list[nn.Parameter]] = {"weight": [], "bn": [], "bias": [], "muon": []}
@@ -36,29 +35,26 @@ def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimiz
                 groups["bn"].append(param)
             else:
                 groups["weight"].append(param)
-    decay = {"weight": schedule.weight_decay, "muon": schedule.weight_decay, "bn": 0.0, "bias": 0.0}
-    boosted = _head_cls_params(model) if use_muon else set()  # MuSGD trains the class heads at 3 x lr
+    spec = schedule.param_groups
+    boosted = _head_cls_params(model) if use_muon else set()  # MuSGD trains the class heads at a higher lr
     param_groups = []
     for group, params in groups.items():
         for boost in (True, False) if use_muon else (False,):
             chosen = [p for p in params if (id(p) in boosted) == boost]
             if not chosen and (use_muon or group == "muon"):
                 continue  # Ultralytics always has weight, bn and bias groups; the others only when used
-            base_lr = lr * 3 if boost else lr
+            _, base_lr, decay = spec[f"{group}_head" if boost else group]
             param_groups.append(
-                {"params": chosen, "param_group": group, "weight_decay": decay[group], "initial_lr": base_lr,
+                {"params": chosen, "param_group": group, "weight_decay": decay, "initial_lr": base_lr,
                  "lr": base_lr, **({"use_muon": True} if group == "muon" else {})}
             )  # fmt: skip
-    foreach = True if name in _FOREACH else None  # None: torch's default
-    if name in _ADAM:
-        return getattr(torch.optim, name)(param_groups, lr=lr, betas=(momentum, 0.999), foreach=foreach)
-    if name == "RMSProp":
-        return torch.optim.RMSprop(param_groups, lr=lr, momentum=momentum, foreach=foreach)
-    if name == "SGD":
-        return torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=True, foreach=foreach)
-    from ultralytics.optim import MuSGD
+    args = schedule.optimizer_args
+    if name == "MuSGD":
+        from ultralytics.optim import MuSGD
 
-    return MuSGD(param_groups, lr=lr, momentum=momentum, nesterov=True, muon=0.2, sgd=1.0)
+        return MuSGD(param_groups, **args)
+    foreach = True if name in _FOREACH else None  # None: torch's default
+    return getattr(torch.optim, name)(param_groups, **args, foreach=foreach)
 
 
 def _head_cls_params(model: nn.Module) -> set[int]:

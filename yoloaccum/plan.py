@@ -65,6 +65,11 @@ def summary(cfg: Config, schedule: Schedule) -> dict[str, Any]:
         "warmup_iterations": schedule.warmup_iterations,
         "accumulate_ramp": [{"first_ni": a, "last_ni": b, "accumulate": c} for a, b, c in ramp_ranges(schedule)],
         "optimizer": schedule.optimizer,
+        "optimizer_args": schedule.optimizer_args,  # as constructed: lr, momentum and nesterov, or betas
+        "param_groups": {  # by the label that `iterations` keys lr with
+            k: {"param_group": g, "initial_lr": lr, "weight_decay": wd}
+            for k, (g, lr, wd) in schedule.param_groups.items()
+        },
         "lr0": schedule.lr0,
         "batches_per_epoch": schedule.batches_per_epoch,
         "steps_per_epoch": [schedule.steps_per_epoch(e) for e in range(schedule.epochs)],
@@ -77,17 +82,17 @@ def summary(cfg: Config, schedule: Schedule) -> dict[str, Any]:
 
 
 def iterations(schedule: Schedule) -> list[dict[str, Any]]:
-    """One record per iteration ni: epoch, accumulate, whether a step follows, lr per group, momentum."""
+    """One record per iteration ni: epoch, accumulate, whether a step follows, lr per parameter group, momentum."""
+    groups = schedule.param_groups
     out = []
     for ni in range(schedule.total_iterations):
-        weight_lr = schedule.lr_at(ni, schedule.lr0, bias=False)
         out.append(
             {
                 "ni": ni,
                 "epoch": ni // schedule.batches_per_epoch,
                 "accumulate": schedule.accumulate_at(ni),
                 "step": schedule.steps_after(ni),
-                "lr": {"weight": weight_lr, "bn": weight_lr, "bias": schedule.lr_at(ni, schedule.lr0, bias=True)},
+                "lr": {k: schedule.lr_at(ni, lr, bias=g == "bias") for k, (g, lr, _) in groups.items()},
                 "momentum": schedule.momentum_at(ni),
             }
         )

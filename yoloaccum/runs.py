@@ -118,4 +118,7 @@ class RunDir:
             self.results.plot()
         if evaluator is not None and cfg.verbose:
             self.console.print(evaluator.class_table())
-        self.console.print(f"weights: {self.weights / 'best.pt'} and {self.weights / 'last.pt'}")
+        if cfg.save:
+            self.console.print(f"weights: {self.weights / 'best.pt'} and {self.weights / 'last.pt'}")
+        else:
+            self.console.print(f"no weights saved (save=False); results in {self.path}")

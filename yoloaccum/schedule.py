@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
-from yoloaccum.config import Config
+from yoloaccum.config import Config, is_auto_batch
 from yoloaccum.errors import UserError
+
+ADAM = frozenset({"Adam", "Adamax", "AdamW", "NAdam", "RAdam"})  # optimizers whose momentum is beta1
+HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralytics
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,8 @@ class Schedule:
     lr0: float
     lrf: float
     cos_lr: bool
-    momentum: float
+    momentum: float  # SGD momentum (Adam's beta1) that warmup ramps to: the recipe's
+    initial_momentum: float  # what the optimizer is built with; differs for optimizer=auto, as in Ultralytics
     warmup_momentum: float
     warmup_bias_lr: float
 
@@ -75,6 +80,27 @@ class Schedule:
             return 0
         return round(min(self.warmup_epochs, max(self.epochs - 1, 0)) * self.batches_per_epoch)
 
+    @property
+    def optimizer_args(self) -> dict[str, Any]:
+        """The optimizer's constructor arguments besides its groups, as Ultralytics gives them."""
+        if self.optimizer in ADAM:
+            return {"lr": self.lr0, "betas": (self.initial_momentum, 0.999)}
+        if self.optimizer == "RMSprop":
+            return {"lr": self.lr0, "momentum": self.initial_momentum}
+        muon = {"muon": 0.2, "sgd": 1.0} if self.optimizer == "MuSGD" else {}
+        return {"lr": self.lr0, "momentum": self.initial_momentum, "nesterov": True, **muon}
+
+    @property
+    def param_groups(self) -> dict[str, tuple[str, float, float]]:
+        """The optimizer's parameter groups by label: (Ultralytics' param_group name, initial lr, weight decay).
+        MuSGD adds a muon group (matrices and conv filters), and each group's class-head part as `<name>_head`."""
+        groups = {"weight": ("weight", self.lr0, self.weight_decay), "bn": ("bn", self.lr0, 0.0),
+                  "bias": ("bias", self.lr0, 0.0)}  # fmt: skip
+        if self.optimizer == "MuSGD":
+            groups["muon"] = ("muon", self.lr0, self.weight_decay)
+            groups.update({f"{k}_head": (g, lr * HEAD_LR_SCALE, wd) for k, (g, lr, wd) in groups.items()})
+        return groups
+
     def accumulate_at(self, ni: int) -> int:
         """Micro-batches per window at iteration ni: ramps from 1 to the nominal value over warmup."""
         nw = self.warmup_iterations
@@ -97,9 +123,13 @@ class Schedule:
         return target
 
     def momentum_at(self, ni: int) -> float:
-        """Momentum at ni; as in Ultralytics, Adam-family betas are not ramped (their groups have no momentum)."""
+        """Momentum at ni. As in Ultralytics, only warmup sets it: from warmup_momentum to the recipe's momentum,
+        which it then keeps; without warmup, or for Adam-family betas (their groups have no momentum), it stays as
+        the optimizer was built."""
         nw = self.warmup_iterations
-        if nw and ni <= nw and self.optimizer not in {"Adam", "Adamax", "AdamW", "NAdam", "RAdam"}:
+        if not nw or self.optimizer in ADAM:
+            return self.initial_momentum
+        if ni <= nw:
             return float(np.interp(ni, [0, nw], [self.warmup_momentum, self.momentum]))
         return self.momentum
 
@@ -155,6 +185,7 @@ class Schedule:
 
 def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Schedule:
     """The schedule of a run; nc is needed only to pick lr0 when optimizer=auto."""
+    check_batch(cfg.batch)
     if num_images < 1:
         raise UserError("the training split has no images; check the dataset's train entry")
     if cfg.batch % world_size:
@@ -166,6 +197,7 @@ def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Sc
     if optimizer == "auto":  # Ultralytics' choice: AdamW for short runs, MuSGD for long ones
         iterations = math.ceil(num_images / max(cfg.batch, cfg.nbs)) * cfg.epochs
         optimizer, lr0 = ("MuSGD", 0.01) if iterations > 10000 else ("AdamW", round(0.002 * 5 / (4 + nc), 6))
+        # Built at 0.9; a warmup then ramps MuSGD's momentum to the recipe's (AdamW's beta1 stays 0.9).
         momentum, warmup_bias_lr = 0.9, 0.0
     return Schedule(
         num_images=num_images,
@@ -180,7 +212,17 @@ def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Sc
         lr0=lr0,
         lrf=cfg.lrf,
         cos_lr=cfg.cos_lr,
-        momentum=momentum,
+        momentum=cfg.momentum,
+        initial_momentum=momentum,
         warmup_momentum=cfg.warmup_momentum,
         warmup_bias_lr=warmup_bias_lr,
     )
+
+
+def check_batch(batch: int | float) -> None:
+    """Refuse AutoBatch, which the config accepts so that Ultralytics' recipes load."""
+    if is_auto_batch(batch):
+        raise UserError(
+            f"batch={batch} asks for AutoBatch, which yoloaccum does not support yet; give batch=N, "
+            "a whole number of images (e.g. batch=16)"
+        )

@@ -22,7 +22,7 @@ from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, resolve
 from yoloaccum.engine import Engine, EpochResult, model_input
-from yoloaccum.errors import UserError
+from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
 from yoloaccum.signals import GracefulStop, Interrupted
@@ -84,7 +84,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, self.spec, self.run.path, val_batch, self.ctx.device) if self.run else None
         # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
-        self.best_fitness, self.mosaic_closed = None, False
+        self.best_fitness, self.fitness, self.mosaic_closed = None, None, False  # fitness: of the last validation
         self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
@@ -96,29 +96,30 @@ class Trainer:
         )
 
     def train(self) -> dict[str, float]:
-        """Run the remaining epochs; returns the final validation metrics."""
+        """Run the remaining epochs; returns the final metrics (best.pt's, as Ultralytics' final_eval)."""
         s, cfg = self.schedule, self.cfg
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers)
+        self.train_start = time.perf_counter()
         with GracefulStop() as stop_signal, frozen_heap():
             epoch, start = self.position
-            while epoch < s.epochs:
-                t0 = time.perf_counter()
+            while True:
                 if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
                     self._close_mosaic()
                 result, images_per_second = self.train_epoch(epoch, start, stop_signal)
+                ended = None
                 if result.done < s.batches_per_epoch:  # stopped inside the epoch, at a window boundary
                     self.save_position(epoch, result.done)
-                    self._stop(result, stop_signal)
-                self.loss.end_epoch()
-                stop = self.end_epoch(epoch, images_per_second, time.perf_counter() - t0)
-                if result.stopped == "diverged" or (result.stopped and not stop):
-                    self._stop(result, stop_signal)
-                epoch, start = epoch + 1, 0
-                if stop:
+                else:
+                    self.loss.end_epoch()
+                    ended = self.end_epoch(epoch, images_per_second)
+                if reason := stop_reason(result.stopped, ended):
                     break
+                epoch, start = epoch + 1, 0
         distributed.barrier(self.ctx)
-        return self.metrics
+        if reason in {"diverged", "interrupted"}:
+            self._raise_stopped(reason, stop_signal)
+        return self.final_eval()
 
     def train_epoch(self, epoch: int, start: int, should_stop) -> tuple[EpochResult, float]:
         """The epoch's micro-batches from `start` on, through the engine; also images per second over all devices."""
@@ -139,17 +140,31 @@ class Trainer:
         self.train_losses = progress.mean_losses(max(result.done - start, 1))
         return result, progress.images_per_second() * self.ctx.world_size
 
-    def _stop(self, result: EpochResult, stop_signal: GracefulStop) -> None:
+    def _raise_stopped(self, reason: str, stop_signal: GracefulStop) -> None:
         weights = self.run.weights / "last.pt" if self.run else "last.pt"
-        if result.stopped == "diverged":
+        saved = Path(weights).exists() and self.cfg.save
+        if reason == "diverged":
             skipped = self.engine.skipped[-self.cfg.nan_patience :]
-            raise UserError(
+            kept = f"{weights} holds the last good state" if saved else "nothing was saved (save=False)"
+            raise Diverged(
                 f"training diverged: {self.cfg.nan_patience} windows in a row had a non-finite loss or gradient "
-                f"(iterations {', '.join(map(str, skipped))}); {weights} holds the last good state; lower lr0 "
-                "or clip_grad, or check the data"
+                f"(iterations {', '.join(map(str, skipped))}); {kept}; lower lr0 or clip_grad, or check the data"
             )
-        hint = f"; resume with: yoloaccum train resume={weights}" if Path(weights).exists() else " (save=False)"
+        hint = f"; resume with: yoloaccum train resume={weights}" if saved else " (save=False)"
         raise Interrupted(stop_signal.signum, f"stopped{hint}")
+
+    def final_eval(self) -> dict[str, float]:
+        """As Ultralytics: the final figures are best.pt's, validated on rank 0 after training."""
+        if self.run is None:
+            return self.metrics
+        best = self.run.weights / "best.pt"
+        if not (self.cfg.save and best.exists()):
+            self.run.console.print("final figures: the last epoch's (save=False)")
+            return self.metrics
+        model = checkpoint.model_of(checkpoint.load(best)).fuse(verbose=False).to(self.ctx.device)
+        self.metrics = self.evaluator.evaluate(model)
+        self.run.console.print(metrics_table(self.metrics, f"final figures: {best} validated"))
+        return self.metrics
 
     @property
     def loss_names(self) -> tuple[str, ...]:
@@ -162,24 +177,30 @@ class Trainer:
         self.loader = self._loader()  # workers hold a copy of the dataset: start them again
         self.mosaic_closed = True
 
-    def end_epoch(self, epoch: int, images_per_second: float, seconds: float) -> bool:
-        """Validate, log and save on rank 0; returns whether to stop (early stopping or the final epoch)."""
+    def end_epoch(self, epoch: int, images_per_second: float) -> str | None:
+        """Validate, log and save on rank 0; returns "final" or "patience" when training should end here."""
         final = epoch + 1 == self.schedule.epochs
-        stop = final
-        if self.bn_loader is not None and (self.cfg.val or final):  # every rank: the statistics are summed over ranks
+        ended = "final" if final else None
+        # Every rank takes part (the statistics are summed over ranks), so this rests on what every rank knows; a
+        # validation that only early stopping asks for (val=False) uses the statistics training left.
+        if self.bn_loader is not None and (self.cfg.val or final):
             self.recompute_bn()
         if self.run is not None:
-            if self.cfg.val or final:
+            # As Ultralytics, also validate when early stopping could trigger now, so that it sees a fresh figure.
+            validate = self.cfg.val or final or self.stopper.possible_stop
+            if validate:
                 self.metrics = self.evaluator.evaluate(self.ema.ema, self.loss.criterion)
-            fitness = self.metrics.get("fitness", 0.0)
+                self.fitness = self.metrics.get("fitness", 0.0)
+            fitness = self.fitness or 0.0
             if self.best_fitness is None or fitness > self.best_fitness:
                 self.best_fitness = fitness
-            self.run.results.append(self._row(epoch, seconds, images_per_second))
-            if self.cfg.verbose and self.metrics:
+            self.run.results.append(self._row(epoch, time.perf_counter() - self.train_start, images_per_second))
+            if self.cfg.verbose and validate:
                 self.run.console.print(metrics_table(self.metrics, f"epoch {epoch + 1}/{self.schedule.epochs}"))
-            stop |= self.stopper(epoch + 1, fitness)
-            self.save(epoch, best=fitness == self.best_fitness, finished=stop)
-        return self._agree(stop)
+            if self.stopper(epoch + 1, self.fitness) and not final:
+                ended = "patience"
+            self.save(epoch, best=fitness == self.best_fitness, finished=ended is not None)
+        return ("patience", "final")[final] if self._agree(ended is not None) else None
 
     def recompute_bn(self) -> None:
         """Precise BatchNorm statistics for the EMA model, the one validated and saved."""
@@ -193,7 +214,7 @@ class Trainer:
 
     def _row(self, epoch: int, seconds: float, images_per_second: float) -> dict[str, float]:
         s = self.schedule
-        row: dict[str, float] = {"epoch": epoch + 1, "time": round(seconds, 3)}
+        row: dict[str, float] = {"epoch": epoch + 1, "time": round(seconds, 3)}  # since train() began, as Ultralytics
         row.update({f"train/{n}": v for n, v in zip(self.loss_names, self.train_losses)})
         row.update(self.metrics)
         row.pop("fitness", None)
@@ -281,6 +302,7 @@ def run(args: list[str]) -> dict[str, float]:
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
     devices = len(distributed.cuda_ids(cfg.device))
+    schedule_.check_batch(cfg.batch)
     if devices > 1 and "WORLD_SIZE" not in os.environ:
         if cfg.batch % devices:  # checked once here, rather than in every rank torchrun would start
             raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
@@ -295,6 +317,15 @@ def run(args: list[str]) -> dict[str, float]:
         return metrics
     finally:
         distributed.cleanup()
+
+
+def stop_reason(stopped: str | None, ended: str | None) -> str | None:
+    """The one decision to stop, and why. `stopped` is the engine's ("interrupted" by a signal, "diverged"), `ended`
+    the epoch's end ("final" epoch, or early stopping's "patience"). A divergence wins; a run whose last epoch is done
+    has finished, even if a signal arrived in its last window."""
+    if stopped == "diverged":
+        return stopped
+    return ended or stopped
 
 
 @contextmanager
