@@ -110,14 +110,6 @@ def count_images(paths: tuple[Path, ...]) -> int:
     return n
 
 
-def world_size(device: str | None) -> int:
-    """Devices a run uses: torchrun's WORLD_SIZE when launched by it, else the count of listed CUDA devices."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    ids = [d for d in str(device or "").replace("cuda:", "").split(",") if d.strip() not in {"", "cpu", "mps"}]
-    return max(len(ids), 1)
-
-
 class EpochBatchSampler(Sampler[list[int]]):
     """Batches of dataset indices for one rank, in an order set by (seed, epoch) alone.
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from yoloaccum.schedule import Schedule
+from yoloaccum.schedule import ADAM_FAMILY, Schedule
 
-_ADAM = {"Adam", "Adamax", "AdamW", "NAdam", "RAdam"}
 # foreach: each update operation runs once over all tensors rather than once per tensor. On the CPU, where torch would
 # loop per tensor, that makes the step faster with bit-identical results (tests/test_speed_settings.py); on CUDA it is
 # torch's default anyway. NAdam's and RAdam's foreach versions round differently, so they keep torch's default.
@@ -50,7 +49,7 @@ def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimiz
                  "lr": base_lr, **({"use_muon": True} if group == "muon" else {})}
             )  # fmt: skip
     foreach = True if name in _FOREACH else None  # None: torch's default
-    if name in _ADAM:
+    if name in ADAM_FAMILY:
         return getattr(torch.optim, name)(param_groups, lr=lr, betas=(momentum, 0.999), foreach=foreach)
     if name == "RMSProp":
         return torch.optim.RMSprop(param_groups, lr=lr, momentum=momentum, foreach=foreach)

@@ -16,6 +16,9 @@ import numpy as np
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
 
+# Optimizers whose momentum is Adam's beta1: built with betas, and not ramped during warmup (as Ultralytics).
+ADAM_FAMILY = frozenset({"Adam", "Adamax", "AdamW", "NAdam", "RAdam"})
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -101,7 +104,7 @@ class Schedule:
     def momentum_at(self, ni: int) -> float:
         """Momentum at ni; as in Ultralytics, Adam-family betas are not ramped (their groups have no momentum)."""
         nw = self.warmup_iterations
-        if nw and ni <= nw and self.optimizer not in {"Adam", "Adamax", "AdamW", "NAdam", "RAdam"}:
+        if nw and ni <= nw and self.optimizer not in ADAM_FAMILY:
             return float(np.interp(ni, [0, nw], [self.warmup_momentum, self.momentum]))
         return self.momentum
 

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from yoloaccum import checkpoint, config, data
+from yoloaccum import checkpoint, config, data, distributed
 from yoloaccum.config import Config
 from yoloaccum.data import DatasetSpec
 from yoloaccum.errors import UserError
@@ -96,8 +96,7 @@ def run(args: list[str]) -> dict[str, Any]:
     model = checkpoint.model_of(ckpt).fuse(verbose=False)  # Conv+BN fused, as Ultralytics validates saved weights
     if len(model.names) != spec.nc:
         raise UserError(f"{cfg.model} predicts {len(model.names)} classes but {cfg.data} has {spec.nc}")
-    device = torch.device("cpu") if not torch.cuda.is_available() or cfg.device in (None, "", "cpu") else (
-        torch.device(f"cuda:{str(cfg.device).split(',')[0]}"))  # fmt: skip
+    device = distributed.select_device(cfg.device)  # validates on the first listed device
     evaluator = Evaluator(cfg, spec, Path(cfg.model).parent, cfg.batch, device)
     metrics = evaluator.evaluate(model.to(device))
     console = Console()
