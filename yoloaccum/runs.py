@@ -84,7 +84,8 @@ class RunDir:
         except OSError as e:
             raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
         (path / "args.yaml").write_text(cfg.to_yaml())
-        (path / "results.csv").unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
+        for log in ("results.csv", "schedule.csv"):
+            (path / log).unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
         return cls(path)
 
     @classmethod

@@ -7,6 +7,8 @@ loss.WindowLoss. Rank 0 alone validates, logs and writes; every rank trains. A r
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import os
 import time
@@ -17,13 +19,13 @@ from typing import Any
 
 import torch
 
-from yoloaccum import checkpoint, data, distributed, loss, optim, resume
+from yoloaccum import checkpoint, data, distributed, loss, optim, plots, resume
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, resolve
 from yoloaccum.engine import Engine, EpochResult
 from yoloaccum.errors import UserError
-from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
+from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress, StepLog
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.validate import METRIC_KEYS, Evaluator, metrics_table
@@ -32,7 +34,8 @@ from yoloaccum.validate import METRIC_KEYS, Evaluator, metrics_table
 class Trainer:
     """Trains cfg.model on cfg.data with gradient accumulation (see Engine for the step contract).
 
-    Outputs, on rank 0 under project/name: args.yaml, results.csv, results.png, weights/last.pt and best.pt.
+    Outputs, on rank 0 under project/name: args.yaml, results.csv, schedule.csv, weights/last.pt (everything an exact
+    resume needs) and best.pt (stripped for shipping); with plots, the pictures of plots.py.
     With `ckpt` (a yoloaccum last.pt, loaded), it continues that run in its folder from the saved position.
     """
 
@@ -43,7 +46,8 @@ class Trainer:
         self.ctx = distributed.setup(cfg.device)
         # Augmentation draws differ per rank, as in Ultralytics; DDP broadcasts rank 0's initial weights.
         seed_everything(cfg.seed + self.ctx.rank, cfg.deterministic)
-        keep_freed_memory()
+        if self.ctx.device.type == "cpu":  # measured where it was tuned: training on the CPU (docs/performance.md)
+            keep_freed_memory()
         with distributed.main_first(self.ctx):  # rank 0 generates shapes and writes the label cache; then the others
             self.spec = data.load_spec(cfg.data, cfg.split)
             self.train_set = data.build_dataset(cfg, self.spec, "train")
@@ -84,6 +88,8 @@ class Trainer:
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
         self.best_fitness, self.mosaic_closed = None, False
         self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
+        self.steps = StepLog(self.run.path) if self.run else None
+        self.plot_at = plots.train_batch_indices(self.schedule, cfg.close_mosaic) if cfg.plots else frozenset()
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
 
@@ -98,6 +104,8 @@ class Trainer:
         s, cfg = self.schedule, self.cfg
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers)
+            if cfg.plots and self.position == (0, 0):
+                plots.labels(self.train_set, self.spec.names, self.run.path)
         with GracefulStop() as stop_signal, frozen_heap():
             epoch, start = self.position
             while epoch < s.epochs:
@@ -130,10 +138,17 @@ class Trainer:
         def on_micro_step(i, items, images, fill, accumulate, lr):
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
 
+        batches = self.loader
+        if self.run and self.plot_at:
+            batches = plots.train_batches(batches, epoch * s.batches_per_epoch + start, self.plot_at, self.run.path,
+                                          self.spec.names)  # fmt: skip
         try:
-            result = self.engine.train_epoch(epoch, self.loader, on_micro_step, start, should_stop)
+            result = self.engine.train_epoch(epoch, batches, on_micro_step, start, should_stop)
         finally:
             progress.close()
+        if self.steps:
+            self.steps.append(self.engine.history, s.batches_per_epoch)
+        self.engine.history.clear()
         self.train_losses = progress.mean_losses(max(result.done - start, 1))
         return result, progress.images_per_second() * self.ctx.world_size
 
@@ -197,10 +212,13 @@ class Trainer:
         if not self.cfg.save:
             return
         w = self.run.weights
-        paths = [w / "last.pt", *([w / "best.pt"] if best else [])]
+        paths = [w / "last.pt"]
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
             paths.append(w / f"epoch{epoch + 1}.pt")
-        checkpoint.save_atomic(self.state((epoch + 1, 0), finished=finished), *paths)
+        state = self.state((epoch + 1, 0), finished=finished)
+        checkpoint.save_atomic(state, *paths)
+        if best:
+            checkpoint.save_atomic(checkpoint.stripped(state), w / "best.pt")
 
     def save_position(self, epoch: int, done: int) -> None:
         """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
@@ -227,6 +245,7 @@ class Trainer:
             "license": "AGPL-3.0",
             "yoloaccum": {
                 "config": dict(self.cfg),
+                "schedule": dataclasses.asdict(self.schedule),  # as resolved (auto's choice): an extension keeps it
                 "position": {"epoch": position[0], "batch": position[1]},
                 "finished": finished,
                 "interrupted": interrupted,
@@ -240,6 +259,16 @@ class Trainer:
                 "mosaic_buffer": list(getattr(self.train_set, "buffer", [])),
             },
         }
+
+    def plot_final(self) -> None:
+        """The pictures of a finished run (plots=True): best.pt validated with its batches, confusion matrices and
+        curves drawn, as Ultralytics' final validation does; and schedule.png from schedule.csv."""
+        if not self.cfg.plots:
+            return
+        best = self.run.weights / "best.pt"
+        model = checkpoint.model_of(checkpoint.load(best)) if best.is_file() else copy.deepcopy(self.ema.ema)
+        self.evaluator.evaluate(model.fuse(verbose=False).to(self.ctx.device), plots=True)
+        plots.schedule(self.steps.file, self.run.path / "schedule.png")
 
     def load_state(self, state: dict[str, Any], ckpt: dict[str, Any]) -> None:
         """Continue from a checkpoint written by state(): weights, optimizer, EMA, schedule position, RNG."""
@@ -258,6 +287,7 @@ class Trainer:
             self.loss.end_epoch()
         if self.run is not None:
             self.run.results.truncate(self.position[0])
+            self.steps.truncate(self.position[0] * self.schedule.batches_per_epoch + self.position[1])
             self.run.console.print(f"resuming {self.run.path} at epoch {self.position[0] + 1}, "
                                    f"micro-batch {self.position[1]}")  # fmt: skip
         resume.restore_mosaic_buffer(self.train_set, state["mosaic_buffer"])
@@ -282,6 +312,7 @@ def run(args: list[str]) -> dict[str, float]:
     try:
         metrics = trainer.train()
         if trainer.run is not None:
+            trainer.plot_final()
             trainer.run.finish(trainer.evaluator, trainer.cfg)
         return metrics
     finally:
