@@ -231,8 +231,8 @@ def loader_workers(requested: int, device: torch.device) -> int:
 
     There, workers would take cores from torch's threads, which compute on all of them: whenever a worker runs, the
     thread it displaced holds up the others at their next barrier, so a worker's CPU time costs about as much as
-    loading in process, plus the transfer. yolo11n at 160 px on 2 cores: the forward pass took 43-45 ms a micro-batch
-    of 8 with 2 workers, 37 ms in process (README, Performance). Validation, and Ultralytics' trainer, do the same.
+    loading in process, plus the transfer: the forward pass is slower with workers than without (measured in
+    docs/performance.md). Validation, and Ultralytics' trainer, do the same.
     """
     return 0 if device.type == "cpu" else min(requested, os.cpu_count() or 1)
 

@@ -7,6 +7,7 @@ learning rate and momentum. The formulas are Ultralytics 8.4's BaseTrainer; wher
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -189,3 +190,11 @@ def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Sc
         warmup_momentum=cfg.warmup_momentum,
         warmup_bias_lr=warmup_bias_lr,
     )
+
+
+def extend(planned: Schedule, epochs: int) -> Schedule:
+    """A run's schedule continued to a new number of epochs (resume=... epochs=N): the lr decay, and with it every
+    later epoch's lr, is rebuilt for `epochs`; the optimizer, lr0 and warmup stay as the run began (warmup_epochs is
+    pinned to the length it had, which the longer run would otherwise let grow)."""
+    warmup = min(planned.warmup_epochs, max(planned.epochs - 1, 0))
+    return dataclasses.replace(planned, epochs=epochs, warmup_epochs=warmup)

@@ -59,9 +59,13 @@ class Trainer:
         else:
             self.run = None
         self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
+        if ckpt is not None:
+            self.schedule = resume.resumed_schedule(ckpt["yoloaccum"], self.schedule, self.spec.nc)
+            if self.run and resume.extension_note(ckpt["yoloaccum"], cfg):
+                (self.run.path / "args.yaml").write_text(cfg.to_yaml())  # the run's settings now: its new epochs
         self.loader = self._loader()
         self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
-        if cfg.channels_last:  # NHWC convolutions: 1.27x forward + backward here (README)
+        if cfg.channels_last:  # NHWC convolutions run forward and backward faster (docs/performance.md)
             self.raw_model.to(memory_format=torch.channels_last)
         self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
@@ -306,6 +310,12 @@ def run(args: list[str]) -> dict[str, float]:
         if cfg.batch % devices:  # checked once here, rather than in every rank torchrun would start
             raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
         raise SystemExit(distributed.launch(args, cfg.device))  # several devices: one process each, via torchrun
+    if (
+        ckpt is not None
+        and int(os.environ.get("RANK", "0")) == 0
+        and (note := resume.extension_note(ckpt["yoloaccum"], cfg))
+    ):
+        print(note, flush=True)
     if cfg.ignored and int(os.environ.get("RANK", "0")) == 0:
         print(f"ignoring Ultralytics settings that yoloaccum does not use: {', '.join(cfg.ignored)}", flush=True)
     trainer = Trainer(cfg, ckpt, path)
@@ -321,9 +331,12 @@ def run(args: list[str]) -> dict[str, float]:
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Hide every object alive now (modules, dataset, labels: 370k in a yolo26n run on the shapes set) from the cyclic
-    garbage collector while training. A full collection would otherwise walk them all at some iteration (195 ms,
-    once in 3 epochs on 2 cores), and in each loader worker, forked from this process, copy every page it touched."""
+    """Hide every object alive now (modules, dataset, labels: hundreds of thousands of them) from the cyclic garbage
+    collector while training. A full collection would otherwise walk them all at some iteration, a stall measured on
+    the CPU (docs/performance.md), and in each loader worker, forked from this process, copy every page it touched.
+
+    It is kept on CUDA too: it changes no computation, only which objects the collector scans, and freezing before
+    the loader forks its workers is what Python's gc documentation advises to keep the children's pages shared."""
     if gc.get_freeze_count():  # frozen by whoever runs us: theirs to undo, not ours
         yield
         return
