@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import yoloaccum
@@ -216,6 +217,21 @@ def test_plan_warns_when_nbs_is_below_batch(run_cli) -> None:
 def test_plan_splits_the_batch_over_devices_without_cuda(run_cli) -> None:
     s = _plan_json(run_cli, "device=0,1,2,3", "batch=16", "nbs=128", "images=1000")["summary"]
     assert (s["world_size"], s["micro_batch_per_device"], s["accumulate"], s["effective_batch"]) == (4, 4, 8, 128)
+
+
+@pytest.mark.parametrize(
+    ("device", "ids"),
+    [("", []), ("cpu", []), ("0", [0]), ("0,1", [0, 1]), ("cuda", [0]), ("cuda:1", [1]), ("cuda:0,cuda:1", [0, 1])],
+)
+def test_device_strings_have_one_parser(device: str, ids: list[int]) -> None:
+    """train, val, predict and plan all read device= through distributed.cuda_ids (val once built cuda:cuda:0)."""
+    from yoloaccum import distributed
+
+    assert distributed.cuda_ids(device) == ids
+    assert distributed.world_size(device) == max(len(ids), 1)
+    if not ids or torch.cuda.is_available() and max(ids) < torch.cuda.device_count():
+        expected = torch.device("cuda", ids[0]) if ids else torch.device("cpu")
+        assert distributed.select_device(device) == expected
 
 
 @pytest.fixture

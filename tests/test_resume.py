@@ -43,6 +43,8 @@ def test_resume_after_epoch_2_ends_with_the_uninterrupted_weights(uninterrupted,
     assert "resuming" in r.stdout and "epoch 3" in r.stdout
     assert relative_difference(final_weights(run), final_weights(uninterrupted)) == 0.0  # bitwise
     assert len((run / "results.csv").read_text().splitlines()) == 1 + 4  # header and one row per epoch
+    # schedule.csv was cut back to the checkpoint and appended again: the same steps, lrs and momenta
+    assert (run / "schedule.csv").read_text() == (uninterrupted / "schedule.csv").read_text()
 
 
 def test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights(data, uninterrupted, tmp_path, run_cli):
@@ -86,15 +88,49 @@ def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_pat
 
 
 def test_resume_refuses_arguments_that_change_the_schedule(uninterrupted, run_cli):
-    for arg in ("batch=8", "nbs=16", "epochs=10"):
+    for arg in ("batch=8", "nbs=16", "lr0=0.1"):
         r = run_cli("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", arg)
         assert r.returncode == 2 and "resume continues the run as planned" in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr
+        assert "only epochs= may change" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", "epochs=2")
+    assert r.returncode == 2 and "has done 2 epochs; to continue it, give epochs greater than 2" in r.stderr
 
 
-def test_resume_of_a_finished_run_is_a_clear_error(uninterrupted, run_cli):
+def test_resume_of_a_finished_run_without_epochs_is_a_clear_error(uninterrupted, run_cli):
     r = run_cli("train", f"resume={uninterrupted / 'weights/last.pt'}")
-    assert r.returncode == 2 and "nothing to resume" in r.stderr
+    assert r.returncode == 2 and "has finished (4 epochs); to train it further, give epochs=N" in r.stderr
+
+
+def test_best_pt_is_stripped_and_resume_points_to_last_pt(uninterrupted, run_cli):
+    r = run_cli("train", f"resume={uninterrupted / 'weights/best.pt'}", "epochs=6")
+    assert r.returncode == 2 and f"resume from {uninterrupted / 'weights/last.pt'}" in r.stderr, r.stderr
+
+
+def test_resume_with_more_epochs_continues_a_finished_run(uninterrupted, tmp_path, run_cli):
+    run = shutil.copytree(uninterrupted, tmp_path / "longer")
+    r = run_cli("train", f"resume={run / 'weights/last.pt'}", "epochs=5", env=SERIAL, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("continuing the run to 5 epochs (planned 4, 4 done): the lr schedule is rebuilt for 5"), (
+        first
+    )
+    assert (
+        "close_mosaic=1 now turns mosaic off from epoch 5 of 5" in first
+        and "warmup (1 epochs) is already done" in first
+    )
+    rows = (run / "results.csv").read_text().splitlines()
+    assert len(rows) == 1 + 5 and rows[1:5] == (uninterrupted / "results.csv").read_text().splitlines()[1:]
+    assert relative_difference(final_weights(run), final_weights(uninterrupted)) > 0  # it trained on
+    steps = (run / "schedule.csv").read_text().splitlines()
+    last_epoch = [line.split(",") for line in steps[1:] if line.split(",")[1] == "5"]
+    header = steps[0].split(",")
+    lr = float(last_epoch[0][header.index("lr/pg0")])
+    state = checkpoint.load(run / "weights/last.pt")["yoloaccum"]
+    s = state["schedule"]
+    assert (state["config"]["epochs"], s["epochs"], state["finished"]) == (5, 5, True)
+    # epoch 5 of 5 (index 4): the linear decay of the 5-epoch schedule, lr0 x ((1 - 4/5)(1 - lrf) + lrf)
+    assert lr == pytest.approx(s["lr0"] * ((1 - 4 / 5) * (1 - s["lrf"]) + s["lrf"]), rel=1e-5)
+    assert "epochs: 5" in (run / "args.yaml").read_text()
 
 
 def test_resume_true_picks_the_newest_run(uninterrupted, tmp_path, run_cli):

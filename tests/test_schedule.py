@@ -152,3 +152,29 @@ def test_carry_drops_the_last_epochs_tail_and_step_does_not():
     carry, step = build(remainder="carry", **kw), build(remainder="step", **kw)
     assert not carry.steps_after(carry.total_iterations - 1)  # 30 batches, steps at 3, 7, ..., 27: 28-29 dropped
     assert step.steps_after(step.total_iterations - 1)
+
+
+@pytest.mark.parametrize("warmup_epochs", [3.0, 0.5])
+def test_extending_a_run_rebuilds_the_lr_decay_and_keeps_warmup_and_the_optimizer(warmup_epochs):
+    """resume=... epochs=N: two epochs planned, five run; warmup and optimizer=auto's choice stay as they began."""
+    planned = build(epochs=2, batch=16, nbs=64, warmup_epochs=warmup_epochs)
+    longer = schedule.extend(planned, 5)
+    assert (longer.optimizer, longer.lr0, longer.warmup_iterations) == (
+        planned.optimizer, planned.lr0, planned.warmup_iterations)  # fmt: skip
+    nb = planned.batches_per_epoch
+    for ni in range(2 * nb):  # the epochs done: the same windows, and the same accumulate
+        assert (longer.steps_after(ni), longer.accumulate_at(ni)) == (
+            planned.steps_after(ni),
+            planned.accumulate_at(ni),
+        )
+    ni = 3 * nb  # epoch 4 of 5: the 5-epoch linear decay
+    assert longer.lr_at(ni, longer.lr0, bias=False) == pytest.approx(longer.lr0 * ((1 - 3 / 5) * (1 - 0.01) + 0.01))
+    assert build(epochs=5, warmup_epochs=warmup_epochs).warmup_iterations >= longer.warmup_iterations
+
+
+def test_plotted_training_batches_are_ultralytics_iterations():
+    from yoloaccum import plots
+
+    s = build(num_images=100, batch=10, epochs=6)  # 10 iterations an epoch
+    assert plots.train_batch_indices(s, close_mosaic=2) == {0, 1, 2, 40, 41, 42}
+    assert plots.train_batch_indices(s, close_mosaic=0) == {0, 1, 2}

@@ -14,7 +14,13 @@ from conftest import shapes_yaml
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
 
 COCO8 = Path(__file__).resolve().parents[2] / "shared/datasets/coco8.yaml"
-OUTPUTS = ("args.yaml", "results.csv", "results.png", "weights/last.pt", "weights/best.pt")
+OUTPUTS = ("args.yaml", "results.csv", "results.png", "schedule.csv", "weights/last.pt", "weights/best.pt")
+# What Ultralytics' run folder holds with plots=True: for the smoke run (11 iterations an epoch, mosaic closed for the
+# second), the batches at ni 0-2 and 11-13, and two validation batches (12 images, 8 a batch).
+PLOTS = ("labels.jpg", *(f"train_batch{ni}.jpg" for ni in (0, 1, 2, 11, 12, 13)),
+         *(f"val_batch{i}_{kind}.jpg" for i in (0, 1) for kind in ("labels", "pred")),
+         "confusion_matrix.png", "confusion_matrix_normalized.png",
+         *(f"Box{curve}_curve.png" for curve in ("PR", "F1", "P", "R")), "results.png", "schedule.png")  # fmt: skip
 SMOKE = ("imgsz=64", "batch=4", "nbs=16", "workers=2", "warmup_epochs=1", "close_mosaic=1", "exist_ok=True")
 
 
@@ -47,6 +53,20 @@ def test_smoke_run_writes_every_output(smoke_run):
         assert (smoke_run / name).is_file(), name
     args = yaml.safe_load((smoke_run / "args.yaml").read_text())
     assert (args["batch"], args["nbs"], args["norm"]) == (4, 16, "window")
+
+
+def test_run_folder_holds_ultralytics_plots_and_the_schedule_as_run(smoke_run):
+    import cv2
+
+    for name in PLOTS:
+        image = cv2.imread(str(smoke_run / name))
+        assert image is not None and min(image.shape[:2]) >= 64, name
+    with (smoke_run / "schedule.csv").open() as f:
+        steps = list(csv.DictReader(f))
+    assert [int(r["ni"]) for r in steps] == sorted({int(r["ni"]) for r in steps})  # one row per step, in order
+    assert all(int(r["effective_batch"]) == 4 * int(r["accumulate"]) for r in steps if int(r["ni"]) % 11 != 10)
+    assert int(steps[-1]["ni"]) == 21 and int(steps[-1]["accumulate"]) == 3  # the short last window: 11 = 4 + 4 + 3
+    assert float(steps[-1]["lr/pg0"]) == pytest.approx(float(read_results(smoke_run)[-1]["lr/pg0"]))
 
 
 def test_results_csv_has_ultralytics_and_accumulation_columns(smoke_run):
@@ -102,6 +122,34 @@ def test_best_pt_opens_in_ultralytics_and_predicts(smoke_run):
     assert results[0].boxes.xyxy.shape[1] == 4
 
 
+def test_best_pt_is_stripped_to_the_size_ultralytics_ships(smoke_run, tmp_path):
+    """best.pt holds the half-precision EMA only, as Ultralytics' strip_optimizer leaves its best.pt; last.pt keeps
+    everything a resume needs."""
+    from ultralytics.utils.torch_utils import strip_optimizer
+
+    best = torch.load(smoke_run / "weights/best.pt", map_location="cpu", weights_only=False)
+    assert best["optimizer"] is None and best["ema"] is None and best["epoch"] == -1
+    assert {p.dtype for p in best["model"].parameters()} == {torch.float16} and isinstance(best["model"].args, dict)
+    assert best["yoloaccum"].keys() == {"config", "stripped", "epochs_done", "fitness"}
+    last = torch.load(smoke_run / "weights/last.pt", map_location="cpu", weights_only=False)
+    assert {"model", "ema", "optimizer", "rng", "schedule", "position"} <= last["yoloaccum"].keys()
+    del last["yoloaccum"]  # what Ultralytics would hold: its own entries, which its strip_optimizer then strips
+    torch.save(last, tmp_path / "ultralytics.pt")
+    strip_optimizer(tmp_path / "ultralytics.pt")
+    size, theirs = (smoke_run / "weights/best.pt").stat().st_size, (tmp_path / "ultralytics.pt").stat().st_size
+    assert size <= 1.2 * theirs, (size, theirs)
+
+
+def test_pretrained_best_pt_loads_every_tensor(smoke_run, smoke_data):
+    from yoloaccum import config, data, model
+
+    cfg = config.resolve([f"data={smoke_data}", f"pretrained={smoke_run / 'weights/best.pt'}"])
+    built = model.build(cfg, data.load_spec(smoke_data), announce=False)
+    best = torch.load(smoke_run / "weights/best.pt", map_location="cpu", weights_only=False)["model"]
+    assert model.load_matching(built, best) == (len(built.state_dict()), len(built.state_dict()))
+    torch.testing.assert_close(built.state_dict(), best.float().state_dict(), rtol=0, atol=0)
+
+
 def test_on_the_cpu_data_loads_in_the_training_process(smoke_train):
     """workers=2 was asked for; on the CPU workers would take cores from torch's threads (data.loader_workers)."""
     if torch.cuda.is_available():
@@ -129,10 +177,20 @@ def test_best_pt_validates_and_exports_in_ultralytics(smoke_run, smoke_data, tmp
     assert Path(exported).is_file()
 
 
-def test_val_command_prints_metrics(smoke_run, smoke_data, run_cli):
-    r = run_cli("val", f"model={smoke_run / 'weights/best.pt'}", f"data={smoke_data}", "imgsz=64", "batch=4")
+@pytest.mark.parametrize("weights", ["best.pt", "last.pt"])
+def test_val_command_prints_metrics(smoke_run, smoke_data, run_cli, weights):
+    r = run_cli("val", f"model={smoke_run / 'weights' / weights}", f"data={smoke_data}", "imgsz=64", "batch=4")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "mAP50" in r.stdout and "per class" in r.stdout
+
+
+def test_val_command_takes_a_cuda_device_string(smoke_run, smoke_data, run_cli):
+    """device=cuda:0 once became cuda:cuda:0; without CUDA it is a clear error, as in train and predict."""
+    r = run_cli("val", f"model={smoke_run / 'weights/best.pt'}", f"data={smoke_data}", "imgsz=64", "device=cuda:0")
+    if torch.cuda.is_available():
+        assert r.returncode == 0 and "mAP50" in r.stdout, r.stderr[-2000:]
+    else:
+        assert r.returncode == 2 and "asks for CUDA, but no CUDA device is available" in r.stderr, r.stderr
 
 
 def test_predict_command_draws_and_writes_json(smoke_run, tmp_path, run_cli):

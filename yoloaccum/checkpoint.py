@@ -1,8 +1,8 @@
 """Checkpoints in Ultralytics' layout, so best.pt opens in ultralytics.YOLO; written atomically, loaded safely.
 
-A checkpoint is Ultralytics' dict (a half-precision `ema` model, `train_args`, `epoch`, ...) plus a `yoloaccum` entry
-holding what an exact resume needs in plain tensors and numbers: the fp32 model and EMA weights, the optimizer,
-scaler, schedule position, early-stopping state and RNG states.
+A checkpoint (last.pt) is Ultralytics' dict (a half-precision `ema` model, `train_args`, `epoch`, ...) plus a
+`yoloaccum` entry holding what an exact resume needs in plain tensors and numbers: the fp32 model and EMA weights, the
+optimizer, scaler, schedule, position, early-stopping state and RNG states. best.pt is `stripped` of all that.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from copy import deepcopy
+from copy import copy, deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,32 @@ def ultralytics_model(model: torch.nn.Module) -> torch.nn.Module:
     for p in copy.parameters():
         p.requires_grad_(False)
     return copy
+
+
+def stripped(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """A full checkpoint cut down to Ultralytics' stripped layout, as its strip_optimizer leaves best.pt for shipping:
+    the half-precision EMA as `model`, its args a plain dict, no optimizer, EMA copy or resume state.
+
+    What is left of ours says where the weights came from; resuming needs last.pt, which keeps everything.
+    """
+    model = copy(ckpt["ema"])  # a shallow copy: the args change below stays out of the full checkpoint
+    model.args = dict(vars(model.args)) if not isinstance(model.args, dict) else model.args
+    ours = ckpt["yoloaccum"]
+    return {
+        **{k: ckpt[k] for k in ("date", "version", "license", "train_args", "train_metrics")},
+        "epoch": -1,
+        "best_fitness": None,
+        "model": model,
+        "ema": None,
+        "updates": None,
+        "optimizer": None,
+        "yoloaccum": {
+            "config": ours["config"],
+            "stripped": True,
+            "epochs_done": ours["position"]["epoch"],
+            "fitness": ckpt["best_fitness"],
+        },  # fmt: skip
+    }
 
 
 def load(path: str | Path, trust: bool = False) -> dict[str, Any]:

@@ -6,7 +6,6 @@ the traceback is shown only with --verbose or YOLOACCUM_DEBUG=1. Anything else i
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -76,28 +75,9 @@ def plan(
 ) -> None:
     """Show what a recipe will do: accumulate, effective batch, weight decay, warmup ramp, steps. Add images=N
     to skip counting the dataset."""
-    from yoloaccum import config, data, schedule
     from yoloaccum import plan as plan_
 
-    args = list(args or [])
-    images = _pop(args, "images")
-    cfg = config.resolve(args)
-    if images is not None:
-        if not images.isdigit() or int(images) < 1:
-            raise UserError(f"images={images} must be a positive whole number")
-        num_images, nc = int(images), 80 if cfg.data is None else data.load_spec(cfg.data).nc
-    elif cfg.data is None:
-        raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
-    else:
-        spec = data.load_spec(cfg.data)
-        num_images, nc = data.count_images(spec.train), spec.nc
-    sched = schedule.build(cfg, num_images, world_size=data.world_size(cfg.device), nc=nc)
-    if as_json:
-        typer.echo(json.dumps(plan_.to_json(cfg, sched)))
-    else:
-        plan_.render(cfg, sched, Console())
-    if plot:
-        plan_.plot(sched, plot)
+    plan_.run(list(args or []), as_json, plot)
 
 
 @app.command("cfg")

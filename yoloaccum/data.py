@@ -110,14 +110,6 @@ def count_images(paths: tuple[Path, ...]) -> int:
     return n
 
 
-def world_size(device: str | None) -> int:
-    """Devices a run uses: torchrun's WORLD_SIZE when launched by it, else the count of listed CUDA devices."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    ids = [d for d in str(device or "").replace("cuda:", "").split(",") if d.strip() not in {"", "cpu", "mps"}]
-    return max(len(ids), 1)
-
-
 class EpochBatchSampler(Sampler[list[int]]):
     """Batches of dataset indices for one rank, in an order set by (seed, epoch) alone.
 
@@ -240,8 +232,8 @@ def loader_workers(requested: int, device: torch.device) -> int:
 
     There, workers would take cores from torch's threads, which compute on all of them: whenever a worker runs, the
     thread it displaced holds up the others at their next barrier, so a worker's CPU time costs about as much as
-    loading in process, plus the transfer. yolo11n at 160 px on 2 cores: the forward pass took 43-45 ms a micro-batch
-    of 8 with 2 workers, 37 ms in process (README, Performance). Validation, and Ultralytics' trainer, do the same.
+    loading in process, plus the transfer: the forward pass is slower with workers than without (measured in
+    docs/performance.md). Validation, and Ultralytics' trainer, do the same.
     """
     return 0 if device.type == "cpu" else min(requested, os.cpu_count() or 1)
 

@@ -49,12 +49,12 @@ class Engine:
     skipped: list[int] = field(default_factory=list)  # iterations whose window was skipped as non-finite
     skipped_in_a_row: int = 0
     buffers_at_window_start: list[torch.Tensor] = field(default_factory=list)
-    # [images, T per loss branch..., non-finite losses, stop votes]: summed over the window and, once, over ranks.
-    window_counts: torch.Tensor = field(init=False)
+    window_counts: WindowCounts = field(init=False)
+    history: list[StepRecord] = field(default_factory=list)  # one record per step; the trainer drains it
+    micro_batches_in_window: int = 0
 
     def __post_init__(self):
-        self.num_branches = len(self.loss.param_groups())
-        self.window_counts = torch.zeros(self.num_branches + 3, device=self.ctx.device)
+        self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
         self.fault = Fault.from_env(self.ctx.rank)
 
     def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None,
@@ -102,9 +102,10 @@ class Engine:
         with torch.autocast(self.ctx.device.type, enabled=self.amp):
             preds = self.model(batch["img"])
             loss, items, counts = self.loss(preds, batch)
-        n = self.num_branches
-        self.window_counts[: n + 1] += counts  # images and target-score sums, kept on the device: no sync
-        self.window_counts[n + 1] += (~torch.isfinite(loss.detach())).float()
+        c = self.window_counts
+        c.normaliser += counts  # images and target-score sums, kept on the device: no sync
+        c.non_finite_losses += (~torch.isfinite(loss.detach())).float()
+        self.micro_batches_in_window += 1
         self.scaler.scale(loss).backward()
         return items
 
@@ -114,14 +115,15 @@ class Engine:
         A window whose loss or gradient is not finite is skipped: no step, gradients zeroed. (With AMP the scaler
         handles overflowing gradients itself; only a non-finite loss counts as skipped then.)
         """
-        n = self.num_branches
-        self.window_counts[n + 2] = float(stop_requested)
-        counts = distributed.all_reduce_sum(self.window_counts, self.ctx)  # one all-reduce: the global normaliser
-        self.loss.normalise_gradients(counts[: n + 1], self.ctx.world_size)
+        c = self.window_counts
+        c.stop_votes.fill_(float(stop_requested))
+        distributed.all_reduce_sum(c.tensor, self.ctx)  # one all-reduce, in place: the global normaliser and votes
+        self.loss.normalise_gradients(c.normaliser, self.ctx.world_size)
         self.scaler.unscale_(self.optimizer)
         # foreach: on the CPU torch would otherwise take each gradient's norm and scale it one by one; same values
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad, foreach=True)
-        bad_losses, stop_votes, norm = torch.stack([counts[n + 1], counts[n + 2], norm.float()]).tolist()  # sync
+        images, bad_losses, stop_votes, norm = torch.cat([c.images, c.non_finite_losses, c.stop_votes,
+                                                          norm.float().reshape(1)]).tolist()  # sync  # fmt: skip
         finite = bad_losses == 0 and (self.amp or math.isfinite(norm))
         if finite or self.amp:
             optim.set_hyperparameters(self.optimizer, self.schedule, ni)
@@ -138,7 +140,9 @@ class Engine:
             self.skipped.append(ni)
             self.skipped_in_a_row += 1
             self.log(f"iteration {ni}: non-finite loss or gradient, window skipped ({len(self.skipped)} so far)")
-        self.window_counts.zero_()
+        self.history.append(StepRecord.of(ni, self.micro_batches_in_window, int(images), self.optimizer, finite))
+        c.tensor.zero_()
+        self.micro_batches_in_window = 0
         return stop_votes > 0
 
 
@@ -150,6 +154,38 @@ def model_input(img: torch.Tensor, device: torch.device) -> torch.Tensor:
     """
     img = img.to(device, non_blocking=True)
     return img.float() / 255 if img.dtype == torch.uint8 else img
+
+
+class WindowCounts:
+    """What a window sums on the device and all-reduces once at its end, as one tensor with named views:
+    [images, target-score sum per loss branch..., non-finite losses, stop votes]."""
+
+    def __init__(self, num_branches: int, device: torch.device):
+        self.tensor = torch.zeros(num_branches + 3, device=device)
+        self.normaliser = self.tensor[: num_branches + 1]  # images, then per-branch sums: what the loss divides by
+        self.images = self.tensor[:1]
+        self.non_finite_losses = self.tensor[num_branches + 1 : num_branches + 2]
+        self.stop_votes = self.tensor[num_branches + 2 :]  # ranks asked to stop (a signal) in this window
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step as it was taken: after iteration ni, over `micro_batches` micro-batches holding `images`
+    images on all devices, with each group's lr and the momentum (Adam's beta1); skipped when the window was not
+    finite (the optimizer then did not step)."""
+
+    ni: int
+    micro_batches: int
+    images: int
+    lrs: tuple[float, ...]
+    momentum: float
+    skipped: bool
+
+    @classmethod
+    def of(cls, ni: int, micro_batches: int, images: int, optimizer: torch.optim.Optimizer, finite: bool) -> StepRecord:
+        g = optimizer.param_groups
+        momentum = g[0]["momentum"] if "momentum" in g[0] else g[0].get("betas", (math.nan,))[0]
+        return cls(ni, micro_batches, images, tuple(x["lr"] for x in g), momentum, not finite)
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from yoloaccum import config, data, distributed, schedule
 from yoloaccum.config import Config
+from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
 
 JSON_VERSION = 1  # bump when a field of `plan --json` changes meaning or disappears
+
+
+def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -> Schedule:
+    """`yoloaccum plan ...`: the schedule of a recipe, printed as a table or JSON, optionally drawn into a PNG.
+
+    images=N (not a config key) stands in for counting the dataset's training images.
+    """
+    images = next((a.split("=", 1)[1] for a in args if a.startswith("images=")), None)
+    cfg = config.resolve([a for a in args if not a.startswith("images=")])
+    if images is not None:
+        if not images.isdigit() or int(images) < 1:
+            raise UserError(f"images={images} must be a positive whole number")
+        num_images, nc = int(images), 80 if cfg.data is None else data.load_spec(cfg.data).nc
+    elif cfg.data is None:
+        raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
+    else:
+        spec = data.load_spec(cfg.data)
+        num_images, nc = data.count_images(spec.train), spec.nc
+    sched = schedule.build(cfg, num_images, world_size=distributed.world_size(cfg.device), nc=nc)
+    if as_json:
+        print(json.dumps(to_json(cfg, sched)), flush=True)
+    else:
+        render(cfg, sched, Console())
+    if plot_path:
+        plot(sched, plot_path)
+    return sched
 
 
 def warnings(cfg: Config, schedule: Schedule) -> list[str]:

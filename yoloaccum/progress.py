@@ -1,4 +1,5 @@
-"""Progress and results: a rich bar in a terminal, plain lines elsewhere, results.csv and results.png.
+"""Progress and results: a rich bar in a terminal, plain lines elsewhere, results.csv and results.png, and
+schedule.csv (one row per optimizer step).
 
 Loss values live on the device and are read back (a host sync) only when a line or the bar is refreshed, every
 `log_every` micro-batches, never per micro-batch.
@@ -107,3 +108,34 @@ class Results:
         from ultralytics.utils.plotting import plot_results
 
         plot_results(file=self.file)  # matplotlib only: draws every *loss* and metrics/* column
+
+
+class StepLog:
+    """schedule.csv: one row per optimizer step as the engine took it (engine.StepRecord), appended once per epoch
+    from records kept in memory, so logging adds no host sync and no file write inside an epoch."""
+
+    def __init__(self, save_dir: Path):
+        self.file = save_dir / "schedule.csv"
+
+    def append(self, records: list, batches_per_epoch: int) -> None:
+        if not records:
+            return
+        new = not self.file.exists()
+        with self.file.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                lrs = [f"lr/pg{i}" for i in range(len(records[0].lrs))]
+                writer.writerow(["ni", "epoch", "accumulate", "effective_batch", *lrs, "momentum", "skipped"])
+            for r in records:
+                writer.writerow([r.ni, r.ni // batches_per_epoch + 1, r.micro_batches, r.images,
+                                 *(f"{x:.6g}" for x in r.lrs), f"{r.momentum:.6g}", int(r.skipped)])  # fmt: skip
+
+    def truncate(self, ni: int) -> None:
+        """Keep the steps taken before iteration ni: a resumed run rewrites what came after its checkpoint."""
+        if not self.file.exists():
+            return
+        with self.file.open() as f:
+            rows = list(csv.reader(f))
+        kept = [rows[0]] + [r for r in rows[1:] if int(r[0]) < ni] if rows else []
+        with self.file.open("w", newline="") as f:
+            csv.writer(f).writerows(kept)

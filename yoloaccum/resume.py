@@ -1,8 +1,8 @@
 """Resuming a run: find its last.pt, reconcile the arguments, and capture or restore the RNG states.
 
-A resumed run is the run it was: the schedule-changing arguments (batch, nbs, epochs and every other training
-setting) are refused when they differ from the saved ones. Only settings that cannot change the result are taken
-from the command line.
+A resumed run is the run it was: the schedule-changing arguments (batch, nbs and every other training setting) are
+refused when they differ from the saved ones. Only settings that cannot change the result are taken from the command
+line, and epochs, which continues a finished or interrupted run to a new length (the lr decay is rebuilt for it).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from yoloaccum import checkpoint
+from yoloaccum import checkpoint, schedule
 from yoloaccum.config import Config, parse_args
 from yoloaccum.errors import UserError
+from yoloaccum.schedule import Schedule
 
 # Settings that may change on resume: where and how fast it runs, and what it prints, never what it computes.
 MAY_CHANGE = {
@@ -49,20 +50,60 @@ def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
     path = find_last(cfg.project) if cfg.resume is True else Path(str(cfg.resume))
     ckpt = checkpoint.load(path, cfg.trust_weights)
     state = ckpt.get("yoloaccum")
+    if state and state.get("stripped"):
+        raise UserError(f"{path} holds only the weights (best.pt is stripped for shipping); resume from "
+                        f"{path.parent / 'last.pt'}, or start a new run with pretrained={path}")  # fmt: skip
     if not state or "position" not in state:
         raise UserError(f"{path} was not written by yoloaccum train; start a new run with pretrained={path}")
-    if state.get("finished"):
-        raise UserError(f"the run in {path.parent.parent} has finished all its epochs; there is nothing to resume")
     saved, given = state["config"], parse_args(args)
     given.pop("cfg", None)
+    run, done = path.parent.parent, state["position"]["epoch"]
+    extend = "epochs" in given and given["epochs"] != saved["epochs"]
+    if extend and (not isinstance(given["epochs"], int) or given["epochs"] <= done):
+        raise UserError(f"epochs={given['epochs']}: the run in {run} has done {done} epochs; to continue it, give "
+                        f"epochs greater than {done}")  # fmt: skip
+    if state.get("finished") and not extend:
+        raise UserError(f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
+                        f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}")  # fmt: skip
     for key, value in given.items():
-        if key not in MAY_CHANGE and key in saved and value != saved[key]:
+        if key not in MAY_CHANGE and key != "epochs" and key in saved and value != saved[key]:
             raise UserError(
-                f"resume continues the run as planned, but {key}={value} differs from its {key}={saved[key]}; "
+                f"resume continues the run as planned, but {key}={value} differs from its {key}={saved[key]}: the "
+                f"epochs already done were computed with {key}={saved[key]}, and only epochs= may change on resume; "
                 f"drop {key}= to resume, or start a new run with pretrained={path}"
             )
-    changes = {k: v for k, v in given.items() if k in MAY_CHANGE}
+    changes = {k: v for k, v in given.items() if k in MAY_CHANGE or k == "epochs"}
     return Config(saved).replace(**{**changes, "resume": str(path)}), ckpt, path
+
+
+def resumed_schedule(state: dict[str, Any], built: Schedule, nc: int) -> Schedule:
+    """The schedule a resumed run follows: the one it began with (optimizer=auto's choice, lr0, warmup), on this run's
+    devices, and with the lr decay rebuilt when epochs changed. `built` is the schedule of the resumed config."""
+    if saved := state.get("schedule"):
+        planned = Schedule(**{**saved, "num_images": built.num_images, "world_size": built.world_size})
+    else:  # a checkpoint from before schedules were saved: its config gives the schedule it began with
+        planned = schedule.build(Config(state["config"]), built.num_images, built.world_size, nc)
+    return planned if built.epochs == planned.epochs else schedule.extend(planned, built.epochs)
+
+
+def extension_note(state: dict[str, Any], cfg: Config) -> str | None:
+    """What continuing to cfg.epochs does, in Ultralytics' terms; None when epochs is as saved."""
+    saved = state.get("schedule") or state["config"]
+    planned, epochs, done, close = saved["epochs"], cfg.epochs, state["position"]["epoch"], cfg.close_mosaic
+    if epochs == planned:
+        return None
+    decay = "cosine" if cfg.cos_lr else "linear"
+    note = (f"continuing the run to {epochs} epochs (planned {planned}, {done} done): the lr schedule is rebuilt for "
+            f"{epochs} epochs, so from epoch {done + 1} on the lr follows the {epochs}-epoch {decay} decay to "
+            f"lr0 x lrf at epoch {epochs}")  # fmt: skip
+    if close:
+        first_closed = max(epochs - close, 0) + 1
+        mosaic = f"; mosaic is on for epochs {done + 1}-{first_closed - 1}" if done + 1 < first_closed else ""
+        note += f"; close_mosaic={close} now turns mosaic off from epoch {first_closed} of {epochs}{mosaic}"
+    warmup = min(saved["warmup_epochs"], max(planned - 1, 0))
+    if warmup:
+        note += f"; warmup ({warmup:g} epochs) is " + ("already done" if done >= warmup else "kept as planned")
+    return note
 
 
 def rng_state(loader_generator: torch.Generator | None) -> dict[str, Any]:

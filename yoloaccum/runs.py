@@ -27,7 +27,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         # Deterministic mode also fills every new tensor with NaN, to expose reads of uninitialised memory. That is a
-        # debugging aid, not part of determinism, and costs a fill kernel per allocation (13% of a CPU step here).
+        # debugging aid, not part of determinism, and costs a fill kernel per allocation (docs/performance.md).
         # Ultralytics turns it off too.
         torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.deterministic = True
@@ -44,10 +44,12 @@ def keep_freed_memory() -> bool:
     """Let glibc keep freed memory for reuse, instead of giving it back to the kernel after every micro-batch.
 
     By default glibc serves each large tensor with a fresh mmap, or trims the heap when a micro-batch's activations
-    are freed, and the next micro-batch faults every page in again. Measured on 2 CPU cores, yolo26n, batch 8 at 160
-    px: 3,000 to 4,000 page faults a micro-batch and 0.6 s of kernel time in a 9 s epoch; with these thresholds,
-    about 20 faults and 0.15 s. The setting is process-wide and stays. Returns whether glibc accepted it: False where
-    the C library is not glibc (with jemalloc or tcmalloc preloaded it returns True but changes nothing).
+    are freed, and the next micro-batch faults every page in again; with these thresholds the faults and their kernel
+    time mostly go (measured on 2 CPU cores, docs/performance.md). The setting is process-wide and stays, so the
+    trainer applies it only when training on the CPU, where it was measured: on CUDA the activations live on the
+    device, and each forked loader worker would keep up to the trim threshold of freed heap. Returns whether glibc
+    accepted it: False where the C library is not glibc (with jemalloc or tcmalloc preloaded it returns True but
+    changes nothing).
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -84,7 +86,8 @@ class RunDir:
         except OSError as e:
             raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
         (path / "args.yaml").write_text(cfg.to_yaml())
-        (path / "results.csv").unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
+        for log in ("results.csv", "schedule.csv"):
+            (path / log).unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
         return cls(path)
 
     @classmethod

@@ -7,6 +7,7 @@ learning rate and momentum. The formulas are Ultralytics 8.4's BaseTrainer; wher
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,7 +18,8 @@ import numpy as np
 from yoloaccum.config import Config, is_auto_batch
 from yoloaccum.errors import UserError
 
-ADAM = frozenset({"Adam", "Adamax", "AdamW", "NAdam", "RAdam"})  # optimizers whose momentum is beta1
+# Optimizers whose momentum is Adam's beta1: built with betas, and not ramped during warmup (as Ultralytics).
+ADAM = frozenset({"Adam", "Adamax", "AdamW", "NAdam", "RAdam"})
 HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralytics
 
 
@@ -226,3 +228,11 @@ def check_batch(batch: int | float) -> None:
             f"batch={batch} asks for AutoBatch, which yoloaccum does not support yet; give batch=N, "
             "a whole number of images (e.g. batch=16)"
         )
+
+
+def extend(planned: Schedule, epochs: int) -> Schedule:
+    """A run's schedule continued to a new number of epochs (resume=... epochs=N): the lr decay, and with it every
+    later epoch's lr, is rebuilt for `epochs`; the optimizer, lr0 and warmup stay as the run began (warmup_epochs is
+    pinned to the length it had, which the longer run would otherwise let grow)."""
+    warmup = min(planned.warmup_epochs, max(planned.epochs - 1, 0))
+    return dataclasses.replace(planned, epochs=epochs, warmup_epochs=warmup)

@@ -7,6 +7,8 @@ loss.WindowLoss. Rank 0 alone validates, logs and writes; every rank trains. A r
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import os
 import time
@@ -17,13 +19,13 @@ from typing import Any
 
 import torch
 
-from yoloaccum import checkpoint, data, distributed, loss, optim, precise_bn, resume
+from yoloaccum import checkpoint, data, distributed, loss, optim, plots, precise_bn, resume
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, resolve
 from yoloaccum.engine import Engine, EpochResult, model_input
 from yoloaccum.errors import Diverged, UserError
-from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
+from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress, StepLog
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.validate import METRIC_KEYS, Evaluator, metrics_table
@@ -32,7 +34,8 @@ from yoloaccum.validate import METRIC_KEYS, Evaluator, metrics_table
 class Trainer:
     """Trains cfg.model on cfg.data with gradient accumulation (see Engine for the step contract).
 
-    Outputs, on rank 0 under project/name: args.yaml, results.csv, results.png, weights/last.pt and best.pt.
+    Outputs, on rank 0 under project/name: args.yaml, results.csv, schedule.csv, weights/last.pt (everything an exact
+    resume needs) and best.pt (stripped for shipping); with plots, the pictures of plots.py.
     With `ckpt` (a yoloaccum last.pt, loaded), it continues that run in its folder from the saved position.
     """
 
@@ -43,7 +46,8 @@ class Trainer:
         self.ctx = distributed.setup(cfg.device)
         # Augmentation draws differ per rank, as in Ultralytics; DDP broadcasts rank 0's initial weights.
         seed_everything(cfg.seed + self.ctx.rank, cfg.deterministic)
-        keep_freed_memory()
+        if self.ctx.device.type == "cpu":  # measured where it was tuned: training on the CPU (docs/performance.md)
+            keep_freed_memory()
         with distributed.main_first(self.ctx):  # rank 0 generates shapes and writes the label cache; then the others
             self.spec = data.load_spec(cfg.data, cfg.split)
             self.train_set = data.build_dataset(cfg, self.spec, "train")
@@ -55,9 +59,13 @@ class Trainer:
         else:
             self.run = None
         self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
+        if ckpt is not None:
+            self.schedule = resume.resumed_schedule(ckpt["yoloaccum"], self.schedule, self.spec.nc)
+            if self.run and resume.extension_note(ckpt["yoloaccum"], cfg):
+                (self.run.path / "args.yaml").write_text(cfg.to_yaml())  # the run's settings now: its new epochs
         self.loader = self._loader()
         self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
-        if cfg.channels_last:  # NHWC convolutions: 1.27x forward + backward here (README)
+        if cfg.channels_last:  # NHWC convolutions run forward and backward faster (docs/performance.md)
             self.raw_model.to(memory_format=torch.channels_last)
         self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
@@ -86,6 +94,8 @@ class Trainer:
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
         self.best_fitness, self.fitness, self.mosaic_closed = None, None, False  # fitness: of the last validation
         self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
+        self.steps = StepLog(self.run.path) if self.run else None
+        self.plot_at = plots.train_batch_indices(self.schedule, cfg.close_mosaic) if cfg.plots else frozenset()
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
 
@@ -100,6 +110,8 @@ class Trainer:
         s, cfg = self.schedule, self.cfg
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers)
+            if cfg.plots and self.position == (0, 0):
+                plots.labels(self.train_set, self.spec.names, self.run.path)
         self.train_start = time.perf_counter()
         with GracefulStop() as stop_signal, frozen_heap():
             epoch, start = self.position
@@ -133,10 +145,17 @@ class Trainer:
         def on_micro_step(i, items, images, fill, accumulate, lr):
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
 
+        batches = self.loader
+        if self.run and self.plot_at:
+            batches = plots.train_batches(batches, epoch * s.batches_per_epoch + start, self.plot_at, self.run.path,
+                                          self.spec.names)  # fmt: skip
         try:
-            result = self.engine.train_epoch(epoch, self.loader, on_micro_step, start, should_stop)
+            result = self.engine.train_epoch(epoch, batches, on_micro_step, start, should_stop)
         finally:
             progress.close()
+        if self.steps:
+            self.steps.append(self.engine.history, s.batches_per_epoch)
+        self.engine.history.clear()
         self.train_losses = progress.mean_losses(max(result.done - start, 1))
         return result, progress.images_per_second() * self.ctx.world_size
 
@@ -154,16 +173,17 @@ class Trainer:
         raise Interrupted(stop_signal.signum, f"stopped{hint}")
 
     def final_eval(self) -> dict[str, float]:
-        """As Ultralytics: the final figures are best.pt's, validated on rank 0 after training."""
+        """As Ultralytics: the final figures are best.pt's, validated on rank 0 after training; with plots=True this
+        validation also draws its batches, confusion matrices and curves."""
         if self.run is None:
             return self.metrics
         best = self.run.weights / "best.pt"
-        if not (self.cfg.save and best.exists()):
-            self.run.console.print("final figures: the last epoch's (save=False)")
-            return self.metrics
-        model = checkpoint.model_of(checkpoint.load(best)).fuse(verbose=False).to(self.ctx.device)
-        self.metrics = self.evaluator.evaluate(model)
-        self.run.console.print(metrics_table(self.metrics, f"final figures: {best} validated"))
+        if self.cfg.save and best.exists():
+            model, title = checkpoint.model_of(checkpoint.load(best)), f"final figures: {best} validated"
+        else:
+            model, title = copy.deepcopy(self.ema.ema), "final figures: the last epoch's EMA (save=False)"
+        self.metrics = self.evaluator.evaluate(model.fuse(verbose=False).to(self.ctx.device), plots=self.cfg.plots)
+        self.run.console.print(metrics_table(self.metrics, title))
         return self.metrics
 
     @property
@@ -227,10 +247,13 @@ class Trainer:
         if not self.cfg.save:
             return
         w = self.run.weights
-        paths = [w / "last.pt", *([w / "best.pt"] if best else [])]
+        paths = [w / "last.pt"]
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
             paths.append(w / f"epoch{epoch + 1}.pt")
-        checkpoint.save_atomic(self.state((epoch + 1, 0), finished=finished), *paths)
+        state = self.state((epoch + 1, 0), finished=finished)
+        checkpoint.save_atomic(state, *paths)
+        if best:
+            checkpoint.save_atomic(checkpoint.stripped(state), w / "best.pt")
 
     def save_position(self, epoch: int, done: int) -> None:
         """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
@@ -257,6 +280,7 @@ class Trainer:
             "license": "AGPL-3.0",
             "yoloaccum": {
                 "config": dict(self.cfg),
+                "schedule": dataclasses.asdict(self.schedule),  # as resolved (auto's choice): an extension keeps it
                 "position": {"epoch": position[0], "batch": position[1]},
                 "finished": finished,
                 "interrupted": interrupted,
@@ -270,6 +294,11 @@ class Trainer:
                 "mosaic_buffer": list(getattr(self.train_set, "buffer", [])),
             },
         }
+
+    def plot_schedule(self) -> None:
+        """schedule.png, from the optimizer steps the run logged in schedule.csv (plots=True)."""
+        if self.cfg.plots:
+            plots.schedule(self.steps.file, self.run.path / "schedule.png")
 
     def load_state(self, state: dict[str, Any], ckpt: dict[str, Any]) -> None:
         """Continue from a checkpoint written by state(): weights, optimizer, EMA, schedule position, RNG."""
@@ -288,6 +317,7 @@ class Trainer:
             self.loss.end_epoch()
         if self.run is not None:
             self.run.results.truncate(self.position[0])
+            self.steps.truncate(self.position[0] * self.schedule.batches_per_epoch + self.position[1])
             self.run.console.print(f"resuming {self.run.path} at epoch {self.position[0] + 1}, "
                                    f"micro-batch {self.position[1]}")  # fmt: skip
         resume.restore_mosaic_buffer(self.train_set, state["mosaic_buffer"])
@@ -307,12 +337,19 @@ def run(args: list[str]) -> dict[str, float]:
         if cfg.batch % devices:  # checked once here, rather than in every rank torchrun would start
             raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
         raise SystemExit(distributed.launch(args, cfg.device))  # several devices: one process each, via torchrun
+    if (
+        ckpt is not None
+        and int(os.environ.get("RANK", "0")) == 0
+        and (note := resume.extension_note(ckpt["yoloaccum"], cfg))
+    ):
+        print(note, flush=True)
     if cfg.ignored and int(os.environ.get("RANK", "0")) == 0:
         print(f"ignoring Ultralytics settings that yoloaccum does not use: {', '.join(cfg.ignored)}", flush=True)
     trainer = Trainer(cfg, ckpt, path)
     try:
         metrics = trainer.train()
         if trainer.run is not None:
+            trainer.plot_schedule()
             trainer.run.finish(trainer.evaluator, trainer.cfg)
         return metrics
     finally:
@@ -330,9 +367,12 @@ def stop_reason(stopped: str | None, ended: str | None) -> str | None:
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Hide every object alive now (modules, dataset, labels: 370k in a yolo26n run on the shapes set) from the cyclic
-    garbage collector while training. A full collection would otherwise walk them all at some iteration (195 ms,
-    once in 3 epochs on 2 cores), and in each loader worker, forked from this process, copy every page it touched."""
+    """Hide every object alive now (modules, dataset, labels: hundreds of thousands of them) from the cyclic garbage
+    collector while training. A full collection would otherwise walk them all at some iteration, a stall measured on
+    the CPU (docs/performance.md), and in each loader worker, forked from this process, copy every page it touched.
+
+    It is kept on CUDA too: it changes no computation, only which objects the collector scans, and freezing before
+    the loader forks its workers is what Python's gc documentation advises to keep the children's pages shared."""
     if gc.get_freeze_count():  # frozen by whoever runs us: theirs to undo, not ours
         yield
         return

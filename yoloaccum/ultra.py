@@ -4,9 +4,10 @@ Ultralytics downloads fonts, weights and datasets, sends analytics and pip-insta
 yoloaccum never does any of that: these switches are set in-process before the first `import ultralytics`.
 
 Ultralytics also sets OMP_NUM_THREADS=1 in the environment when it is imported. A torch imported after that, and every
-process started later (torchrun's ranks, subprocesses), would then compute on one thread: on two cores, forward +
-backward ran at 33.9 img/s instead of 43.6. So torch is imported first, and the variable is removed again unless the
-user had set it.
+process started later (subprocesses), would then compute on one thread, markedly slower on the CPU
+(docs/performance.md). So torch is imported first, and the variable is removed again unless the user had set it. This
+does nothing on CUDA or to forked loader workers: a worker inherits the parent's thread pools, which PyTorch sets to
+one thread in each worker, and torchrun sets OMP_NUM_THREADS=1 for its ranks itself when the variable is unset.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from yoloaccum import checkpoint, config, data
+from yoloaccum import checkpoint, config, data, distributed
 from yoloaccum.config import Config
 from yoloaccum.data import DatasetSpec
 from yoloaccum.errors import UserError
@@ -32,7 +32,7 @@ class Evaluator:
                                 workers=data.loader_workers(cfg.workers, device))  # fmt: skip
         self.validator = v = DetectionValidator(save_dir=save_dir, args=args)
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
-        v.device, v.stride, v.training = device, 32, True  # training=True: metrics only, no plots or JSON
+        v.device, v.stride, v.training = device, 32, True  # training=True: no JSON; plots only when asked
         paths = v.data[cfg.split]
         try:
             v.dataloader = v.get_dataloader(paths if len(paths) > 1 else paths[0], batch)
@@ -40,22 +40,34 @@ class Evaluator:
             raise UserError(f"{spec.yaml_file}: no images found for {cfg.split} in {', '.join(paths)}") from e
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, criterion=None) -> dict[str, float]:
-        """Metrics of `model` (eval mode, fp32); val losses too when the training criterion is given."""
+    def evaluate(self, model: torch.nn.Module, criterion=None, plots: bool = False) -> dict[str, float]:
+        """Metrics of `model` (eval mode, fp32); val losses too when the training criterion is given.
+
+        With plots, Ultralytics' validator also draws into save_dir what its final validation draws: the first three
+        batches with their labels and predictions, both confusion matrices, and the PR, F1, P and R curves.
+        """
         v = self.validator
         was_training = model.training
         model.eval()
         model.end2end = v.args.nms is False  # as Ultralytics' validator: NMS on the one-to-many head unless nms=False
+        v.args.plots = plots  # read by init_metrics, update_metrics (confusion matrix) and get_stats (curves)
         v.init_metrics(model)
         losses = None
-        for batch in v.dataloader:
+        for i, batch in enumerate(v.dataloader):
             batch = v.preprocess(batch)
             preds = model(batch["img"])
             if criterion is not None:
                 items = torch.stack(list(criterion(preds, batch)[1].values()))
                 losses = items if losses is None else losses + items
-            v.update_metrics(v.postprocess(preds), batch)
+            detections = v.postprocess(preds)
+            v.update_metrics(detections, batch)
+            if plots and i < 3:
+                v.plot_val_samples(batch, i)
+                v.plot_predictions(batch, detections, i)
+        if plots:
+            v.finalize_metrics()  # draws the confusion matrices
         stats = v.get_stats()
+        v.args.plots = False
         model.train(was_training)
         out = {k: float(stats[k]) for k in (*METRIC_KEYS, "fitness")}
         if losses is not None:
@@ -98,8 +110,7 @@ def run(args: list[str]) -> dict[str, Any]:
     model = checkpoint.model_of(ckpt).fuse(verbose=False)  # Conv+BN fused, as Ultralytics validates saved weights
     if len(model.names) != spec.nc:
         raise UserError(f"{cfg.model} predicts {len(model.names)} classes but {cfg.data} has {spec.nc}")
-    device = torch.device("cpu") if not torch.cuda.is_available() or cfg.device in (None, "", "cpu") else (
-        torch.device(f"cuda:{str(cfg.device).split(',')[0]}"))  # fmt: skip
+    device = distributed.select_device(cfg.device)  # validates on the first listed device
     evaluator = Evaluator(cfg, spec, Path(cfg.model).parent, cfg.batch, device)
     metrics = evaluator.evaluate(model.to(device))
     console = Console()
