@@ -109,7 +109,8 @@ def test_save_false_and_val_false(smoke_data, tmp_path, run_cli):
     lines = [line.strip() for line in r.stdout.splitlines()]
     assert "epoch 1/2" not in lines and "epoch 2/2" in lines  # only the final epoch validates, so only it has a table
     first, second = (float(row["time"]) for row in read_results(tmp_path / "nosave"))
-    assert second > 1.3 * first  # the second row includes the first epoch's time
+    # Cumulative: the second row includes the first epoch's time (per epoch, the first, with its start-up, is longer).
+    assert second > first
 
 
 def test_best_pt_opens_in_ultralytics_and_predicts(smoke_run):
