@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import REPO, final_weights, offline_env, relative_difference, shapes_yaml
 
+from yoloaccum.errors import UserError
+
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
-pytestmark = pytest.mark.slow
 
 
 def torchrun(nproc: int, *args: object, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -31,6 +32,7 @@ def single(tmp_path_factory) -> dict:
     return window(tmp_path_factory.mktemp("single"), 1, 16)  # one process, one micro-batch of 16
 
 
+@pytest.mark.slow
 def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, tmp_path):
     ddp = window(tmp_path, 2, 4)  # 2 ranks x micro-batch 2 x accumulate 4
     # float32 sums over 16 images in another order: ~5e-6 also without DDP (1 process, 8 micro-batches of 2).
@@ -38,6 +40,7 @@ def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, t
     assert relative_difference(ddp["weights"], single["weights"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_gradients_all_reduce_once_per_window(tmp_path):
     with_no_sync, without = window(tmp_path, 2, 4), window(tmp_path, 2, 4, "sync-all")
     # The comm hook runs once per gradient bucket; what counts is how many backward passes communicated.
@@ -46,6 +49,7 @@ def test_gradients_all_reduce_once_per_window(tmp_path):
     assert sorted(set(without["communicated"])) == [1, 2, 3, 4]  # Ultralytics' way: every micro-batch
 
 
+@pytest.mark.slow
 def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_args, tmp_path):
     r = torchrun(2, "-m", "yoloaccum", "train", f"project={tmp_path}", "name=ddp", *exact_args, "batch=4", "nbs=16")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -54,6 +58,7 @@ def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_a
     assert difference <= 1e-4
 
 
+@pytest.mark.slow
 def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path, run_cli):
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
     args = ("train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0", f"project={tmp_path}")
@@ -87,3 +92,24 @@ def test_several_cuda_devices_without_cuda_is_a_clear_error(run_cli, tmp_path):
     data = shapes_yaml(tmp_path, num_train=8, num_val=4)
     r = run_cli("train", f"data={data}", "device=0,1")
     assert r.returncode == 2 and "no CUDA device is available" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_device_ids_count_within_cuda_visible_devices():
+    """device= ids are torch's indices: with CUDA_VISIBLE_DEVICES=4,5,6,7, device=0,1 means physical 4 and 5."""
+    from yoloaccum.distributed import visible_devices
+
+    assert visible_devices([0, 1], None) == "0,1"
+    assert visible_devices([0, 1], "4,5,6,7") == "4,5"
+    assert visible_devices([3, 1], "4, 5,6,7") == "7,5"
+    with pytest.raises(UserError, match="makes only 2 device"):
+        visible_devices([2], "4,5")
+
+
+def test_under_torchrun_each_local_rank_takes_its_listed_device():
+    """device=2,3 under torchrun: local rank 0 on cuda:2, 1 on cuda:3 (not cuda:0 and cuda:1); too few is an error."""
+    from yoloaccum.distributed import rank_device
+
+    assert [rank_device([2, 3], r, 2) for r in range(2)] == [2, 3]
+    assert rank_device([1], 0, 1) == 1
+    with pytest.raises(UserError, match="lists 1 device"):
+        rank_device([0], 1, 2)

@@ -90,7 +90,7 @@ def plan(
         raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
     else:
         spec = data.load_spec(cfg.data)
-        num_images, nc = data.count_images(spec.train), spec.nc
+        num_images, nc = data.num_training_images(cfg, spec), spec.nc
     sched = schedule.build(cfg, num_images, world_size=data.world_size(cfg.device), nc=nc)
     if as_json:
         typer.echo(json.dumps(plan_.to_json(cfg, sched)))

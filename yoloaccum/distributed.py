@@ -51,7 +51,32 @@ def select_device(device: str | None, local_rank: int = 0) -> torch.device:
         raise UserError(f"device={device} asks for CUDA, but no CUDA device is available; use device=cpu")
     if max(ids) >= torch.cuda.device_count():
         raise UserError(f"device={device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return torch.device("cuda", ids[local_rank % len(ids)] if "LOCAL_RANK" not in os.environ else local_rank)
+    return torch.device("cuda", rank_device(ids, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def rank_device(ids: list[int], local_rank: int, local_world_size: int) -> int:
+    """The CUDA index of this machine's local_rank-th process: the local_rank-th listed id, as Ultralytics takes it.
+
+    Ids are torch's indices, so they count within an existing CUDA_VISIBLE_DEVICES, as torch users expect.
+    """
+    if len(ids) < local_world_size:
+        raise UserError(
+            f"device={','.join(map(str, ids))} lists {len(ids)} device(s) for {local_world_size} processes on this "
+            f"machine; list one device per process (e.g. device={','.join(map(str, range(local_world_size)))})"
+        )
+    return ids[local_rank]
+
+
+def visible_devices(ids: list[int], visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for processes that use torch devices `ids` of this one: the same physical devices, also
+    when this process already sees a subset (CUDA_VISIBLE_DEVICES=4,5,6,7 with device=0,1 keeps 4,5)."""
+    if not visible:
+        return ",".join(map(str, ids))
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if max(ids) >= len(listed):
+        raise UserError(f"device={','.join(map(str, ids))}: CUDA_VISIBLE_DEVICES={visible} makes only "
+                        f"{len(listed)} device(s) visible")  # fmt: skip
+    return ",".join(listed[i] for i in ids)
 
 
 def setup(device: str | None, timeout_s: float = 1800) -> Context:
@@ -128,7 +153,7 @@ def launch(args: list[str], device: str | None) -> int:
 
     ids = cuda_ids(device)
     select_device(device)  # fail here, once, if the devices are not there
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))}
     rest = [a for a in args if not a.startswith("device=")] + [f"device={','.join(map(str, range(len(ids))))}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(ids)}",
            "-m", "yoloaccum", "train", *rest]  # fmt: skip
