@@ -4,6 +4,7 @@ The runs use augmentation (mosaic included) and workers=0, so an exact resume mu
 Ultralytics' mosaic buffer, not only the weights. Runs compared bitwise use one thread (see conftest.SERIAL).
 """
 
+import math
 import os
 import shutil
 import signal
@@ -72,6 +73,19 @@ def test_sigterm_exits_143_with_a_resumable_checkpoint(data, tmp_path, run_cli):
     assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}  # the window of ni 8 ends at 9
 
 
+def test_a_signal_after_the_epochs_last_window_stops_after_validation(data, tmp_path):
+    cmd = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *RUN, f"project={tmp_path}", "name=val"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("epoch 1/4 6/6"):  # printed after the last window's step: its stop vote is past
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    state = checkpoint.load(tmp_path / "val/weights/last.pt")["yoloaccum"]
+    assert state["position"] == {"epoch": 1, "batch": 0}  # not a window into epoch 2
+
+
 def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_path):
     cmd = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *RUN, f"project={tmp_path}", "name=twice"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -116,6 +130,9 @@ def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
     assert "iteration 3: non-finite loss or gradient, window skipped (1 so far)" in r.stdout
     state = checkpoint.load(tmp_path / "nan/weights/last.pt")["yoloaccum"]
     assert state["skipped_windows"] == [3]
+    header, row = (line.split(",") for line in (tmp_path / "nan/results.csv").read_text().splitlines())
+    train_losses = [float(v) for k, v in zip(header, row) if k.startswith("train/")]
+    assert len(train_losses) == 3 and all(map(math.isfinite, train_losses))  # the skipped window is not averaged in
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 

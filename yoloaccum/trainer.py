@@ -113,6 +113,10 @@ class Trainer:
                 else:
                     self.loss.end_epoch()
                     ended = self.end_epoch(epoch, images_per_second)
+                    # A signal after the epoch's last window (during validation, say) stops here, last.pt just saved,
+                    # rather than after one more window.
+                    if ended is None and result.stopped is None and self._agree(stop_signal()):
+                        result = EpochResult(result.done, "interrupted")
                 if reason := stop_reason(result.stopped, ended):
                     break
                 epoch, start = epoch + 1, 0
@@ -132,12 +136,14 @@ class Trainer:
 
         def on_micro_step(i, items, images, fill, accumulate, lr):
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
+            if s.steps_after(ni := epoch * s.batches_per_epoch + i):
+                progress.end_window(skipped=ni in self.engine.skipped[-1:])
 
         try:
             result = self.engine.train_epoch(epoch, self.loader, on_micro_step, start, should_stop)
         finally:
             progress.close()
-        self.train_losses = progress.mean_losses(max(result.done - start, 1))
+        self.train_losses = progress.mean_losses()
         return result, progress.images_per_second() * self.ctx.world_size
 
     def _raise_stopped(self, reason: str, stop_signal: GracefulStop) -> None:
