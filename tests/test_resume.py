@@ -4,6 +4,7 @@ The runs use augmentation (mosaic included) and workers=0, so an exact resume mu
 Ultralytics' mosaic buffer, not only the weights. Runs compared bitwise use one thread (see conftest.SERIAL).
 """
 
+import errno
 import math
 import os
 import shutil
@@ -18,6 +19,7 @@ import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
 from yoloaccum import checkpoint
+from yoloaccum.errors import UserError
 
 RUN = ("imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1", "log_every=1")
 
@@ -179,3 +181,32 @@ def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path):
         ckpt = torch.load(target, weights_only=True)
         assert ckpt["weights"].numel() == 4_000_000 and ckpt["epoch"] >= 1
     assert not list(tmp_path.glob(".last.pt.*.tmp")) or True  # a killed writer may leave its temporary file
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_and_keeps_the_previous_last_pt(data, tmp_path, run_cli):
+    """From iteration 8 (epoch 2) every checkpoint write fails with ENOSPC: epoch 1's last.pt stays, and resumes."""
+    r = run_cli("train", f"data={data}", *RUN, "epochs=2", f"project={tmp_path}", "name=full",
+                env={"YOLOACCUM_FAULT": "enospc@8"}, timeout=600)  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "previous last.pt is intact" in lines[0]
+    weights = tmp_path / "full/weights"
+    assert checkpoint.load(weights / "last.pt")["epoch"] == 0  # epoch 1's
+    assert not list(weights.glob(".*.tmp"))
+    r = run_cli("train", f"resume={weights / 'last.pt'}", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert checkpoint.load(weights / "last.pt")["epoch"] == 1
+
+
+def test_a_failing_disk_leaves_the_old_file_and_no_temporary_one(tmp_path):
+    target = tmp_path / "last.pt"
+    checkpoint.save_atomic({"epoch": 1}, target)
+    checkpoint.fail_writes(errno.EIO)
+    try:
+        with pytest.raises(UserError, match="Input/output error; the previous last.pt is intact"):
+            checkpoint.save_atomic({"epoch": 2}, target)
+    finally:
+        checkpoint._failing_writes.clear()
+    assert torch.load(target, weights_only=True) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]

@@ -7,6 +7,7 @@ drive the same code with a toy model.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
@@ -166,7 +167,8 @@ class Fault:
     (every rank when omitted).
 
     KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a non-finite
-    input, hence a non-finite loss), or `sigint` / `sigterm` (the signal, sent to this process).
+    input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), or `enospc` / `eio`
+    (every checkpoint write from then on fails, as on a full or failing disk).
     """
 
     kind: str
@@ -193,8 +195,13 @@ class Fault:
             raise RuntimeError(f"YOLOACCUM_FAULT: injected failure at iteration {self.ni}")
         if self.kind == "nan":
             batch["img"] = batch["img"].float() * float("nan")
+        elif self.kind in {"enospc", "eio"}:
+            from yoloaccum import checkpoint  # the engine itself never writes; only this hook reaches the disk
+
+            checkpoint.fail_writes(errno.ENOSPC if self.kind == "enospc" else errno.EIO)
         else:
             os.kill(os.getpid(), _FAULTS[self.kind])
 
 
-_FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM}
+_FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
+           "enospc": None, "eio": None}  # fmt: skip
