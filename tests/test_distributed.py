@@ -1,6 +1,7 @@
 """Several processes with real torchrun and gloo on the CPU: the same gradient and weights as one process, one
 gradient all-reduce per window, the same outputs, and a failing rank that ends the job."""
 
+import shutil
 import subprocess
 import sys
 import time
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, final_weights, offline_env, relative_difference, shapes_yaml
+from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
 from yoloaccum.errors import UserError
 
@@ -72,6 +73,31 @@ def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path,
     assert Path("weights/best.pt") in files["ddp"]
 
 
+@pytest.mark.slow
+def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_path, run_cli):
+    """Every rank restores its own random states and mosaic buffer: 2 ranks, mosaic on, stopped mid-epoch by a SIGINT
+    that reaches rank 1 only, resume bitwise equal to the uninterrupted run. On 1 process it resumes, and says so."""
+    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
+    args = ("-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0",
+            "warmup_epochs=1", "close_mosaic=0", "val=False", "plots=False", f"project={tmp_path}")  # fmt: skip
+    full = torchrun(2, *args, "name=full", env=SERIAL)
+    assert full.returncode == 0, full.stderr[-3000:]
+    r = torchrun(2, *args, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8:1"})
+    from yoloaccum import checkpoint
+
+    state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
+    assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}, r.stderr[-3000:]
+    assert len(state["ranks"]) == 2 and state["ranks"][0]["rng"]["python"] != state["ranks"][1]["rng"]["python"]
+    shutil.copytree(tmp_path / "sig", tmp_path / "one")
+    r = torchrun(2, "-m", "yoloaccum", "train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert relative_difference(final_weights(tmp_path / "sig"), final_weights(tmp_path / "full")) == 0.0  # bitwise
+    r = run_cli("train", f"resume={tmp_path / 'one/weights/last.pt'}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming 2 rank(s) on 1: the weights, optimizer, image order and schedule continue exactly" in r.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_a_failing_rank_ends_the_job(kind, tmp_path):
     """Rank 1 fails in the second epoch: the job exits non-zero promptly, and epoch 1's last.pt still loads."""

@@ -210,3 +210,20 @@ def test_a_failing_disk_leaves_the_old_file_and_no_temporary_one(tmp_path):
         checkpoint._failing_writes.clear()
     assert torch.load(target, weights_only=True) == {"epoch": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+@pytest.mark.slow
+def test_remainder_carry_keeps_a_window_left_open_at_a_stop(data, tmp_path, run_cli):
+    """With remainder=carry a window spans epochs 2 and 3 (ni 11 to 14); a SIGINT at ni 11 stops at epoch 2's end,
+    after validation, and last.pt keeps the open window's gradients and counts: the resumed run ends bitwise equal."""
+    carry = (f"data={data}", *RUN, "nbs=16", "epochs=3", "remainder=carry", f"project={tmp_path}")
+    full = run_cli("train", *carry, "name=full", env=SERIAL, timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+    r = run_cli("train", *carry, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@11"}, timeout=600)
+    assert r.returncode == 130, r.stderr[-2000:]
+    state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
+    assert state["position"] == {"epoch": 2, "batch": 0}
+    assert state["ranks"][0]["open_window"]["micro_batches"] == 1
+    r = run_cli("train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert relative_difference(final_weights(tmp_path / "sig"), final_weights(tmp_path / "full")) == 0.0

@@ -9,6 +9,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,6 +122,15 @@ def all_reduce_sum(t: torch.Tensor, ctx: Context) -> torch.Tensor:
     if ctx.world_size > 1:
         dist.all_reduce(t)
     return t
+
+
+def gather_to_main(obj: Any, ctx: Context) -> list[Any] | None:
+    """Every rank's obj, in rank order, on rank 0 (None on the others). Pickled: for host-side state."""
+    if ctx.world_size == 1:
+        return [obj]
+    gathered = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 @contextlib.contextmanager

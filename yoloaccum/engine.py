@@ -50,6 +50,7 @@ class Engine:
     skipped: list[int] = field(default_factory=list)  # iterations whose window was skipped as non-finite
     skipped_in_a_row: int = 0
     buffers_at_window_start: list[torch.Tensor] = field(default_factory=list)
+    micro_batches_in_window: int = 0  # of the open window; with remainder=carry it may have begun last epoch
     # [images, T per loss branch..., non-finite losses, stop votes]: summed over the window and, once, over ranks.
     window_counts: torch.Tensor = field(init=False)
 
@@ -65,23 +66,23 @@ class Engine:
         Returns early, at a window boundary, when should_stop() is true on any rank or after nan_patience skipped
         windows in a row.
         """
-        s, nb, window_start, i = self.schedule, self.schedule.batches_per_epoch, start, start - 1
+        s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
         for i, batch in enumerate(batches, start):
             ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
-            if i == window_start:  # a skipped window must not leave its statistics in BatchNorm's running buffers
+            if self.micro_batches_in_window == 0:  # a skipped window must not leave its statistics in BatchNorm
                 self._snapshot_buffers()
             if self.fault and self.fault.applies(ni):
                 self.fault.trigger(batch)
             # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
             with distributed.no_sync(self.model, skip=self.no_sync and not last_in_window):
                 items = self.micro_step(batch)
+            fill = self.micro_batches_in_window
             stop = self.step(ni, should_stop()) if last_in_window else False
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
-                on_micro_step(i, items, batch["img"].shape[0], i - window_start + 1, s.accumulate_at(ni), lr)
+                on_micro_step(i, items, batch["img"].shape[0], fill, s.accumulate_at(ni), lr)
             if last_in_window:
-                window_start = i + 1
                 if stop:
                     return EpochResult(i + 1, "interrupted")
                 if self.nan_patience and self.skipped_in_a_row >= self.nan_patience:
@@ -106,6 +107,7 @@ class Engine:
         n = self.num_branches
         self.window_counts[: n + 1] += counts  # images and target-score sums, kept on the device: no sync
         self.window_counts[n + 1] += (~torch.isfinite(loss.detach())).float()
+        self.micro_batches_in_window += 1
         self.scaler.scale(loss).backward()
         return items
 
@@ -140,7 +142,38 @@ class Engine:
             self.skipped_in_a_row += 1
             self.log(f"iteration {ni}: non-finite loss or gradient, window skipped ({len(self.skipped)} so far)")
         self.window_counts.zero_()
+        self.micro_batches_in_window = 0
         return stop_votes > 0
+
+    def open_window(self) -> dict[str, Any] | None:
+        """This rank's part of a window still open (remainder=carry at an epoch's end), on the host, for last.pt: its
+        accumulated gradients, counts and the BatchNorm buffers from its start; None when no window is open."""
+        if self.micro_batches_in_window == 0:
+            return None
+        grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.raw_model.parameters()]
+        return {"grads": grads, "counts": self.window_counts.cpu(), "micro_batches": self.micro_batches_in_window,
+                "buffers": [b.cpu() for b in self.buffers_at_window_start]}  # fmt: skip
+
+    def restore_window(self, window: dict[str, Any] | None) -> None:
+        """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts."""
+        if window is None:
+            return
+        for p, g in zip(self.raw_model.parameters(), window["grads"], strict=True):
+            p.grad = None if g is None else torch.empty_like(p).copy_(g)  # empty_like: the parameter's layout
+        self.window_counts.copy_(window["counts"])
+        self.buffers_at_window_start = [b.to(self.ctx.device) for b in window["buffers"]]
+        self.micro_batches_in_window = window["micro_batches"]
+
+
+def merge_windows(windows: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The open window of several ranks as one rank's (resuming on another number of ranks): gradients and counts
+    summed, which the window's all-reduce would have done; BatchNorm buffers of the first."""
+    windows = [w for w in windows if w is not None]
+    if not windows:
+        return None
+    grads = [None if gs[0] is None else sum(gs) for gs in zip(*(w["grads"] for w in windows))]
+    counts = sum(w["counts"] for w in windows)
+    return {**windows[0], "grads": grads, "counts": counts}
 
 
 def model_input(img: torch.Tensor, device: torch.device) -> torch.Tensor:

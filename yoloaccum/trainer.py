@@ -21,7 +21,7 @@ from yoloaccum import checkpoint, data, distributed, loss, optim, precise_bn, re
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, resolve
-from yoloaccum.engine import Engine, EpochResult, model_input
+from yoloaccum.engine import Engine, EpochResult, merge_windows, model_input
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
@@ -86,6 +86,7 @@ class Trainer:
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
         self.best_fitness, self.fitness, self.mosaic_closed = None, None, False  # fitness: of the last validation
         self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
+        self.rank_states: list[dict] | None = None  # on rank 0, every rank's, gathered before each save
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
 
@@ -191,6 +192,7 @@ class Trainer:
         # validation that only early stopping asks for (val=False) uses the statistics training left.
         if self.bn_loader is not None and (self.cfg.val or final):
             self.recompute_bn()
+        self._gather_rank_states()
         if self.run is not None:
             # As Ultralytics, also validate when early stopping could trigger now, so that it sees a fresh figure.
             validate = self.cfg.val or final or self.stopper.possible_stop
@@ -240,6 +242,7 @@ class Trainer:
 
     def save_position(self, epoch: int, done: int) -> None:
         """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
+        self._gather_rank_states()
         if self.run is not None and self.cfg.save:
             checkpoint.save_atomic(self.state((epoch, done), interrupted=True), self.run.weights / "last.pt")
         distributed.barrier(self.ctx)
@@ -272,10 +275,36 @@ class Trainer:
                 "scaler": self.engine.scaler.state_dict(),
                 "stopper": {"best_fitness": self.stopper.best_fitness, "best_epoch": self.stopper.best_epoch},
                 "skipped_windows": list(self.engine.skipped),
-                "rng": resume.rng_state(self.loader.generator),
-                "mosaic_buffer": list(getattr(self.train_set, "buffer", [])),
+                "ranks": [self._rank_state(), *self.rank_states[1:]],  # rank 0's as of now, after validation
             },
         }
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What each rank holds apart from the others: random states, mosaic buffer, its part of an open window."""
+        return {"rng": resume.rng_state(self.loader.generator), "open_window": self.engine.open_window(),
+                "mosaic_buffer": list(getattr(self.train_set, "buffer", []))}  # fmt: skip
+
+    def _gather_rank_states(self) -> None:
+        """Every rank's _rank_state() to rank 0, for the next save. A collective: every rank calls it, at the point
+        of the epoch (or stop) where its random states are those the next epoch starts from."""
+        self.rank_states = distributed.gather_to_main(self._rank_state(), self.ctx)
+
+    def _restore_rank_state(self, ranks: list[dict[str, Any]]) -> None:
+        """This rank's own states. On another number of ranks the weights, optimizer, image order and any open window
+        continue exactly; the augmentation draws cannot, since each rank now sees other images."""
+        rank, same = self.ctx.rank, len(ranks) == self.ctx.world_size
+        if not same and self.run is not None:
+            self.run.console.print(f"resuming {len(ranks)} rank(s) on {self.ctx.world_size}: the weights, optimizer, "
+                                   "image order and schedule continue exactly; augmentation draws differ from the "
+                                   "uninterrupted run")  # fmt: skip
+        mine = ranks[rank] if rank < len(ranks) else None
+        if same:
+            self.engine.restore_window(mine["open_window"])
+        elif rank == 0:  # the saved ranks' window, summed, goes to one rank: the all-reduce sums it with the rest
+            self.engine.restore_window(merge_windows([r["open_window"] for r in ranks]))
+        if mine is not None:
+            resume.restore_mosaic_buffer(self.train_set, mine["mosaic_buffer"])
+            resume.restore_rng(mine["rng"], self.loader.generator)  # last: building the run consumed random numbers
 
     def load_state(self, state: dict[str, Any], ckpt: dict[str, Any]) -> None:
         """Continue from a checkpoint written by state(): weights, optimizer, EMA, schedule position, RNG."""
@@ -296,8 +325,7 @@ class Trainer:
             self.run.results.truncate(self.position[0])
             self.run.console.print(f"resuming {self.run.path} at epoch {self.position[0] + 1}, "
                                    f"micro-batch {self.position[1]}")  # fmt: skip
-        resume.restore_mosaic_buffer(self.train_set, state["mosaic_buffer"])
-        resume.restore_rng(state["rng"], self.loader.generator)  # last: building the run consumed random numbers
+        self._restore_rank_state(state["ranks"])
 
 
 def run(args: list[str]) -> dict[str, float]:
