@@ -98,6 +98,23 @@ def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
+    """Rank 1 sleeps forever at iteration 8; rank 0 waits at its window's end, 9, for ddp_timeout, then names it."""
+    from yoloaccum import checkpoint
+
+    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
+    start = time.monotonic()
+    r = torchrun(2, "-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=2",
+                 "workers=0", "ddp_timeout=10", "plots=False", f"project={tmp_path}", "name=hang",
+                 env={"YOLOACCUM_FAULT": "hang@8:1"}, timeout=300)  # fmt: skip
+    assert r.returncode != 0
+    assert "error: rank 1 (last at iteration 7) did not reach iteration 9 within ddp_timeout=10s" in r.stderr, r.stderr
+    # Startup and epoch 1, ddp_timeout, then torchrun's grace of 30 s before it kills the hung rank with SIGKILL.
+    assert time.monotonic() - start < 150
+    assert checkpoint.load(tmp_path / "hang/weights/last.pt")["epoch"] == 0  # epoch 1's, whole
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_a_failing_rank_ends_the_job(kind, tmp_path):
     """Rank 1 fails in the second epoch: the job exits non-zero promptly, and epoch 1's last.pt still loads."""

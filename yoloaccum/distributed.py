@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from yoloaccum.errors import UserError
+from yoloaccum.errors import Stalled, UserError
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ def visible_devices(ids: list[int], visible: str | None) -> str:
 def setup(device: str | None, timeout_s: float = 1800) -> Context:
     """Join torchrun's process group when launched by it (nccl on CUDA, gloo on the CPU).
 
-    The timeout bounds a collective that waits for a rank which is still working (rank 0 validating a large set);
-    a rank that dies is noticed by torchrun at once, which then ends the others.
+    timeout_s (ddp_timeout) bounds every collective: a rank that hangs ends the job after it (see bounded()), so it
+    must also cover the others' wait while rank 0 validates and saves. A rank that dies is noticed by torchrun at
+    once, which then ends the others.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -92,6 +95,9 @@ def setup(device: str | None, timeout_s: float = 1800) -> Context:
     if world > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+            # A timed-out NCCL collective then raises in this process, which bounded() names, rather than the
+            # watchdog aborting it; gloo always raises. The wait it adds is at the window's end, already a sync point.
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return Context(rank, local_rank, world, dev)
 
@@ -131,6 +137,37 @@ def gather_to_main(obj: Any, ctx: Context) -> list[Any] | None:
     gathered = [None] * ctx.world_size if ctx.is_main else None
     dist.gather_object(obj, gathered, dst=0)
     return gathered
+
+
+def arrive(ctx: Context, ni: int) -> None:
+    """Post, in torchrun's store, that this rank reached the collectives of iteration ni's window: a rank that then
+    waits in vain can name the ones that did not come. One small message per window, to the store's host."""
+    if ctx.world_size > 1:
+        dist.distributed_c10d._get_default_store().set(f"yoloaccum/at/{ctx.rank}", str(ni))
+
+
+@contextlib.contextmanager
+def bounded(ctx: Context, iteration: Callable[[], int], timeout_s: float):
+    """Turn a collective that timed out (a rank hung) into one line naming the rank(s) and the iteration."""
+    try:
+        yield
+    except RuntimeError as e:
+        if ctx.world_size < 2 or not re.search(r"timed out|timeout", str(e), re.IGNORECASE):
+            raise
+        raise stalled(ctx, iteration(), timeout_s) from e
+
+
+def stalled(ctx: Context, ni: int, timeout_s: float) -> Stalled:
+    store = dist.distributed_c10d._get_default_store()  # still answers: it is not the collectives' connection
+    keys = {r: f"yoloaccum/at/{r}" for r in range(ctx.world_size)}
+    seen = {r: int(store.get(k)) if store.check([k]) else -1 for r, k in keys.items()}
+    behind = [f"rank {r} (last at iteration {at})" for r, at in seen.items() if at < ni]
+    who = ", ".join(behind) or "a rank (rank 0 validating or saving?)"
+    return Stalled(
+        f"{who} did not reach iteration {ni} within ddp_timeout={timeout_s:g}s, so the job stops (rank {ctx.rank} "
+        "waited there); last.pt holds the last completed save. Check that rank's machine, or raise ddp_timeout if it "
+        "was only slow"
+    )
 
 
 @contextlib.contextmanager

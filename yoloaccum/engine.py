@@ -11,6 +11,7 @@ import errno
 import math
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ class Engine:
     skipped_in_a_row: int = 0
     buffers_at_window_start: list[torch.Tensor] = field(default_factory=list)
     micro_batches_in_window: int = 0  # of the open window; with remainder=carry it may have begun last epoch
+    ni: int = -1  # the iteration in progress: where a rank that waits in vain for the others was
     # [images, T per loss branch..., non-finite losses, stop votes]: summed over the window and, once, over ranks.
     window_counts: torch.Tensor = field(init=False)
 
@@ -68,12 +70,14 @@ class Engine:
         """
         s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
         for i, batch in enumerate(batches, start):
-            ni = epoch * nb + i
+            self.ni = ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
             if self.micro_batches_in_window == 0:  # a skipped window must not leave its statistics in BatchNorm
                 self._snapshot_buffers()
             if self.fault and self.fault.applies(ni):
                 self.fault.trigger(batch)
+            if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts
+                distributed.arrive(self.ctx, ni)
             # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
             with distributed.no_sync(self.model, skip=self.no_sync and not last_in_window):
                 items = self.micro_step(batch)
@@ -200,8 +204,9 @@ class Fault:
     (every rank when omitted).
 
     KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a non-finite
-    input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), or `enospc` / `eio`
-    (every checkpoint write from then on fails, as on a full or failing disk).
+    input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), `hang` (sleeps
+    forever, as a rank stuck in a driver or a file system), or `enospc` / `eio` (every checkpoint write from then on
+    fails, as on a full or failing disk).
     """
 
     kind: str
@@ -226,6 +231,8 @@ class Fault:
     def trigger(self, batch: dict[str, Any]) -> None:
         if self.kind == "raise":
             raise RuntimeError(f"YOLOACCUM_FAULT: injected failure at iteration {self.ni}")
+        while self.kind == "hang":  # signals run their handlers and the sleep goes on; only SIGKILL ends it
+            time.sleep(3600)
         if self.kind == "nan":
             batch["img"] = batch["img"].float() * float("nan")
         elif self.kind in {"enospc", "eio"}:
@@ -237,4 +244,4 @@ class Fault:
 
 
 _FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
-           "enospc": None, "eio": None}  # fmt: skip
+           "enospc": None, "eio": None, "hang": None}  # fmt: skip

@@ -22,6 +22,7 @@ from yoloaccum.errors import UserError
 MAY_CHANGE = {
     "resume",
     "workers",
+    "ddp_timeout",
     "device",
     "verbose",
     "log_every",

@@ -40,7 +40,7 @@ class Trainer:
         from ultralytics.utils.torch_utils import EarlyStopping, ModelEMA
 
         self.cfg = cfg
-        self.ctx = distributed.setup(cfg.device)
+        self.ctx = distributed.setup(cfg.device, cfg.ddp_timeout)
         # Augmentation draws differ per rank, as in Ultralytics; DDP broadcasts rank 0's initial weights.
         seed_everything(cfg.seed + self.ctx.rank, cfg.deterministic)
         keep_freed_memory()
@@ -102,7 +102,8 @@ class Trainer:
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers)
         self.train_start = time.perf_counter()
-        with GracefulStop() as stop_signal, frozen_heap():
+        bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
+        with GracefulStop() as stop_signal, frozen_heap(), bounded:
             epoch, start = self.position
             while True:
                 if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
