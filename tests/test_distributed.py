@@ -2,6 +2,7 @@
 gradient all-reduce per window, the same outputs, and a failing rank that ends the job."""
 
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -57,6 +58,25 @@ def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_a
     difference = relative_difference(final_weights(tmp_path / "ddp"), final_weights(big_batch_run))
     print(f"torchrun 2 x 2 x accumulate 4 vs batch=16: {difference:.2e} relative")
     assert difference <= 1e-4
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run, exact_args, tmp_path):
+    """torchrun --nnodes=2 with c10d rendezvous: two launchers, as on two machines, here both on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", "-m", "yoloaccum",
+            "train", f"project={tmp_path}", "name=nodes", *exact_args, "batch=4", "nbs=16"]  # fmt: skip
+    env = offline_env({"GLOO_SOCKET_IFNAME": "lo"})
+    nodes = [subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    errors = [n.communicate(timeout=600)[1] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    difference = relative_difference(final_weights(tmp_path / "nodes"), final_weights(big_batch_run))
+    print(f"2 nodes x 1 rank x 2 x accumulate 4 vs batch=16: {difference:.2e} relative")
+    assert difference <= 1e-4  # as for one machine's two ranks: the same sums in another order
 
 
 @pytest.mark.slow
