@@ -288,7 +288,8 @@ class Trainer:
     def _gather_rank_states(self) -> None:
         """Every rank's _rank_state() to rank 0, for the next save. A collective: every rank calls it, at the point
         of the epoch (or stop) where its random states are those the next epoch starts from."""
-        self.rank_states = distributed.gather_to_main(self._rank_state(), self.ctx)
+        if self.cfg.save:  # the same on every rank, so all of them skip it together
+            self.rank_states = distributed.gather_to_main(self._rank_state(), self.ctx)
 
     def _restore_rank_state(self, ranks: list[dict[str, Any]]) -> None:
         """This rank's own states. On another number of ranks the weights, optimizer, image order and any open window
