@@ -32,7 +32,7 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
         raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
     else:
         spec = data.load_spec(cfg.data)
-        num_images, nc = data.count_images(spec.train), spec.nc
+        num_images, nc = data.num_training_images(cfg, spec), spec.nc
     sched = schedule.build(cfg, num_images, world_size=distributed.world_size(cfg.device), nc=nc)
     if as_json:
         print(json.dumps(to_json(cfg, sched)), flush=True)
