@@ -74,8 +74,11 @@ def exact_args(tmp_path_factory) -> tuple[str, ...]:
     """The shared arguments: the data, EXACT, and a start from one epoch of training."""
     folder = tmp_path_factory.mktemp("exact")
     data = shapes_yaml(folder, num_train=42, num_val=8, seed=5)
+    # precise_bn=0 here: the runs freeze BatchNorm at the start's statistics, and recomputed ones (from one pass in
+    # which upstream layers normalise per batch) leave activations for which float32 reordering grows past the
+    # tolerance within six steps. The compared runs keep the default, which touches only the EMA.
     r = _run_cli("train", f"data={data}", f"project={folder}", "name=start", *EXACT, "epochs=1", "batch=16",
-                 "nbs=16", env=SERIAL, timeout=600)  # fmt: skip
+                 "nbs=16", "precise_bn=0", env=SERIAL, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return (f"data={data}", *EXACT, f"pretrained={folder / 'start/weights/last.pt'}")
 

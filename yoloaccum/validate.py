@@ -63,7 +63,7 @@ class Evaluator:
             v.update_metrics(detections, batch)
             if plots and i < 3:
                 v.plot_val_samples(batch, i)
-                v.plot_predictions(batch, detections, i)
+                v.plot_predictions(batch, drawable(detections), i)
         if plots:
             v.finalize_metrics()  # draws the confusion matrices
         stats = v.get_stats()
@@ -86,6 +86,17 @@ class Evaluator:
             table.add_row(v.names[c], str(v.metrics.nt_per_image[c]), str(v.metrics.nt_per_class[c]),
                           f"{p:.3f}", f"{r:.3f}", f"{m50:.3f}", f"{m:.3f}")  # fmt: skip
         return table
+
+
+def drawable(detections: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Copies of the detections whose boxes have their corners in order. An early model can predict a box with x2 < x1
+    (YOLO26 regresses the four distances freely), and Ultralytics' plot_images then fails in its drawing thread."""
+    out = []
+    for d in detections:
+        b = d["bboxes"]
+        corners = torch.cat([torch.minimum(b[:, :2], b[:, 2:]), torch.maximum(b[:, :2], b[:, 2:])], 1)
+        out.append({**d, "bboxes": corners})
+    return out
 
 
 def metrics_table(metrics: dict[str, float], title: str) -> Table:
