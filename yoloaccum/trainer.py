@@ -68,6 +68,8 @@ class Trainer:
         if cfg.channels_last:  # NHWC convolutions run forward and backward faster (docs/performance.md)
             self.raw_model.to(memory_format=torch.channels_last)
         self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
+        if cfg.grad_checkpointing:  # after the EMA copy, which only evaluates
+            model_.checkpoint_blocks(self.raw_model)
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
         amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
         self.engine = Engine(
