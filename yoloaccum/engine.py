@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from yoloaccum import distributed, optim
+from yoloaccum import backoff, distributed, optim
 from yoloaccum.distributed import Context
 from yoloaccum.schedule import Schedule
 
@@ -52,6 +52,8 @@ class Engine:
     window_counts: WindowCounts = field(init=False)
     history: list[StepRecord] = field(default_factory=list)  # one record per step; the trainer drains it
     micro_batches_in_window: int = 0
+    split: int = 1  # micro-steps per loader batch: doubles at each out-of-memory back-off (backoff.py)
+    back_offs: list[int] = field(default_factory=list)  # iterations that ran out of memory
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -70,11 +72,10 @@ class Engine:
             last_in_window = s.steps_after(ni)
             if i == window_start:  # a skipped window must not leave its statistics in BatchNorm's running buffers
                 self._snapshot_buffers()
-            if self.fault and self.fault.applies(ni):
-                self.fault.trigger(batch)
-            # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
-            with distributed.no_sync(self.model, skip=self.no_sync and not last_in_window):
-                items = self.micro_step(batch)
+                window = []
+            window.append(batch)  # kept until the step: after an out-of-memory error the window runs again
+            # The batch's micro-steps; DDP all-reduces gradients inside the backward of the window's last one only.
+            items = backoff.micro_steps(self, epoch * nb + window_start, window, last_in_window)
             stop = self.step(ni, should_stop()) if last_in_window else False
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -202,7 +203,8 @@ class Fault:
     (every rank when omitted).
 
     KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a non-finite
-    input, hence a non-finite loss), or `sigint` / `sigterm` (the signal, sent to this process).
+    input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), or `oom`
+    (torch.OutOfMemoryError, what CUDA raises when the device is full), once.
     """
 
     kind: str
@@ -229,8 +231,19 @@ class Fault:
             raise RuntimeError(f"YOLOACCUM_FAULT: injected failure at iteration {self.ni}")
         if self.kind == "nan":
             batch["img"] = batch["img"].float() * float("nan")
+        elif self.kind == "oom":
+            if not getattr(self, "oom_raised", False):  # once: not again when the window runs again
+                object.__setattr__(self, "oom_raised", True)
+                raise torch.OutOfMemoryError(f"YOLOACCUM_FAULT: injected out-of-memory error at iteration {self.ni}")
         else:
             os.kill(os.getpid(), _FAULTS[self.kind])
 
 
-_FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM}
+_FAULTS = {
+    "raise": None,
+    "nan": None,
+    "oom": None,
+    "kill": signal.SIGKILL,
+    "sigint": signal.SIGINT,
+    "sigterm": signal.SIGTERM,
+}
