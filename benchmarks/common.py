@@ -149,11 +149,12 @@ def checkpointing_probe(model: str, imgsz: int, batch: int, steps: int, grad_che
     without grad_checkpointing: images/s of the timed ones and, on CUDA, the peak bytes allocated (on the CPU the
     parent reads the process's max RSS)."""
     engine = engine_for(model, imgsz, batch, batch, steps, epochs=2, grad_checkpointing=grad_checkpointing)
-    batches = on_device(make_batches(steps + 1, batch, imgsz))
-    engine.train_epoch(0, batches[:1], start=steps - 1)  # the first epoch's last micro-batch: the warm-up
+    # Each micro-batch is made when the engine asks for it, so that memory holds one, as a loader's would.
+    batches = (on_device(make_batches(1, batch, imgsz, seed=k))[0] for k in range(steps + 1))
+    engine.train_epoch(0, [next(batches)], start=steps - 1)  # the first epoch's last micro-batch: the warm-up
     synchronize()
     start = time.perf_counter()
-    engine.train_epoch(1, batches[1:])
+    engine.train_epoch(1, batches)
     synchronize()
     img_s = steps * batch / (time.perf_counter() - start)
     return {"img_s": img_s, "cuda_bytes": torch.cuda.max_memory_allocated() if CUDA else None}
