@@ -10,6 +10,7 @@ the median over the repeats. Rank 0 writes benchmarks/results_ddp.json and print
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -74,7 +75,8 @@ def measure(ctx, accumulate: int, no_sync: bool, windows: int) -> tuple[float, f
 
 
 def main(quick: bool) -> None:
-    ctx = distributed.setup("0" if torch.cuda.is_available() else "cpu")
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # one listed device per rank of this machine
+    ctx = distributed.setup(",".join(map(str, range(ranks_here))) if torch.cuda.is_available() else "cpu")
     repeats, windows = (1, 1) if quick else (3, 3)
     rows = []
     for accumulate in (1, 4, 8):

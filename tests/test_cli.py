@@ -232,27 +232,19 @@ def test_device_strings_have_one_parser(device: str, ids: list[int]) -> None:
         assert distributed.select_device(device) == expected
 
 
-@pytest.fixture
-def dataset(tmp_path: Path) -> Path:
-    """A dataset of 1-byte fake JPEGs, which no decoder could read, described two ways: folders and list files."""
-    root = tmp_path / "ds" / "root"
-    train = [f"images/train/{i}.jpg" for i in range(5)] + ["images/train/nested/5.JPG"]
-    for name in [*train, "images/val/0.jpg", "images/val/1.jpg"]:
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_bytes(b"\xff")
-    (root / "images/train/notes.txt").write_text("not an image\n")
-    (root / "train.txt").write_text("".join(f"./{name}\n" for name in train[:4]) + "\n")
-    (root / "val.txt").write_text("./images/val/0.jpg\n")
-    names = "names:\n  0: a\n  1: b\n"
-    # path is relative to the YAML's folder; the CLI runs from the repository root, so the cwd cannot resolve it
-    (tmp_path / "ds" / "folders.yaml").write_text(f"path: root\ntrain: images/train\nval: images/val\n{names}")
-    (tmp_path / "ds" / "lists.yaml").write_text(f"path: root\ntrain: train.txt\nval: val.txt\n{names}")
-    return tmp_path / "ds"
+@pytest.mark.parametrize(("fraction", "corrupt", "num_images"), [(0.5, False, 12), (1.0, True, 24)])
+def test_plan_counts_the_images_training_uses(run_cli, tmp_path: Path, fraction, corrupt, num_images) -> None:
+    """Ultralytics' fraction of the files, less the images its label check skips: what training reports."""
+    from conftest import shapes_yaml
 
+    from yoloaccum import data
 
-@pytest.mark.parametrize(("yaml_name", "num_images"), [("folders.yaml", 6), ("lists.yaml", 4)])
-def test_plan_counts_dataset_images(run_cli, dataset: Path, yaml_name: str, num_images: int) -> None:
-    s = _plan_json(run_cli, f"data={dataset / yaml_name}", "batch=2", "nbs=4", "epochs=1")["summary"]
+    yaml_file = shapes_yaml(tmp_path, num_train=24, num_val=4)
+    if corrupt:
+        root = data.load_spec(yaml_file).root  # generates the set
+        (root / "images/train/corrupt.jpg").write_bytes(b"\xff\xd8 not a JPEG")
+        (root / "labels/train/corrupt.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    s = _plan_json(run_cli, f"data={yaml_file}", "batch=2", "nbs=4", "epochs=1", f"fraction={fraction}")["summary"]
     assert s["images"] == num_images
 
 

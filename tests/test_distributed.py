@@ -1,6 +1,8 @@
 """Several processes with real torchrun and gloo on the CPU: the same gradient and weights as one process, one
 gradient all-reduce per window, the same outputs, and a failing rank that ends the job."""
 
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -8,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, final_weights, offline_env, relative_difference, shapes_yaml
+from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
+
+from yoloaccum.errors import UserError
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
-pytestmark = pytest.mark.slow
 
 
 def torchrun(nproc: int, *args: object, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -31,6 +34,7 @@ def single(tmp_path_factory) -> dict:
     return window(tmp_path_factory.mktemp("single"), 1, 16)  # one process, one micro-batch of 16
 
 
+@pytest.mark.slow
 def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, tmp_path):
     ddp = window(tmp_path, 2, 4)  # 2 ranks x micro-batch 2 x accumulate 4
     # float32 sums over 16 images in another order: ~5e-6 also without DDP (1 process, 8 micro-batches of 2).
@@ -38,6 +42,7 @@ def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, t
     assert relative_difference(ddp["weights"], single["weights"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_gradients_all_reduce_once_per_window(tmp_path):
     with_no_sync, without = window(tmp_path, 2, 4), window(tmp_path, 2, 4, "sync-all")
     # The comm hook runs once per gradient bucket; what counts is how many backward passes communicated.
@@ -46,6 +51,7 @@ def test_gradients_all_reduce_once_per_window(tmp_path):
     assert sorted(set(without["communicated"])) == [1, 2, 3, 4]  # Ultralytics' way: every micro-batch
 
 
+@pytest.mark.slow
 def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_args, tmp_path):
     r = torchrun(2, "-m", "yoloaccum", "train", f"project={tmp_path}", "name=ddp", *exact_args, "batch=4", "nbs=16")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -54,6 +60,26 @@ def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_a
     assert difference <= 1e-4
 
 
+@pytest.mark.slow
+def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run, exact_args, tmp_path):
+    """torchrun --nnodes=2 with c10d rendezvous: two launchers, as on two machines, here both on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", "-m", "yoloaccum",
+            "train", f"project={tmp_path}", "name=nodes", *exact_args, "batch=4", "nbs=16"]  # fmt: skip
+    env = offline_env({"GLOO_SOCKET_IFNAME": "lo"})
+    nodes = [subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    errors = [n.communicate(timeout=600)[1] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    difference = relative_difference(final_weights(tmp_path / "nodes"), final_weights(big_batch_run))
+    print(f"2 nodes x 1 rank x 2 x accumulate 4 vs batch=16: {difference:.2e} relative")
+    assert difference <= 1e-4  # as for one machine's two ranks: the same sums in another order
+
+
+@pytest.mark.slow
 def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path, run_cli):
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
     args = ("train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0", f"project={tmp_path}")
@@ -67,6 +93,48 @@ def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path,
     assert Path("weights/best.pt") in files["ddp"]
 
 
+@pytest.mark.slow
+def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_path, run_cli):
+    """Every rank restores its own random states and mosaic buffer: 2 ranks, mosaic on, stopped mid-epoch by a SIGINT
+    that reaches rank 1 only, resume bitwise equal to the uninterrupted run. On 1 process it resumes, and says so."""
+    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
+    args = ("-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0",
+            "warmup_epochs=1", "close_mosaic=0", "val=False", "plots=False", f"project={tmp_path}")  # fmt: skip
+    full = torchrun(2, *args, "name=full", env=SERIAL)
+    assert full.returncode == 0, full.stderr[-3000:]
+    r = torchrun(2, *args, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8:1"})
+    from yoloaccum import checkpoint
+
+    state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
+    assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}, r.stderr[-3000:]
+    assert len(state["ranks"]) == 2 and state["ranks"][0]["rng"]["python"] != state["ranks"][1]["rng"]["python"]
+    shutil.copytree(tmp_path / "sig", tmp_path / "one")
+    r = torchrun(2, "-m", "yoloaccum", "train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert relative_difference(final_weights(tmp_path / "sig"), final_weights(tmp_path / "full")) == 0.0  # bitwise
+    r = run_cli("train", f"resume={tmp_path / 'one/weights/last.pt'}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming 2 rank(s) on 1: the weights, optimizer, image order and schedule continue exactly" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
+    """Rank 1 sleeps forever at iteration 8; rank 0 waits at its window's end, 9, for ddp_timeout, then names it."""
+    from yoloaccum import checkpoint
+
+    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
+    start = time.monotonic()
+    r = torchrun(2, "-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=2",
+                 "workers=0", "ddp_timeout=10", "plots=False", f"project={tmp_path}", "name=hang",
+                 env={"YOLOACCUM_FAULT": "hang@8:1"}, timeout=300)  # fmt: skip
+    assert r.returncode != 0
+    assert "error: rank 1 (last at iteration 7) did not reach iteration 9 within ddp_timeout=10s" in r.stderr, r.stderr
+    # Startup and epoch 1, ddp_timeout, then torchrun's grace of 30 s before it kills the hung rank with SIGKILL.
+    assert time.monotonic() - start < 150
+    assert checkpoint.load(tmp_path / "hang/weights/last.pt")["epoch"] == 0  # epoch 1's, whole
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_a_failing_rank_ends_the_job(kind, tmp_path):
     """Rank 1 fails in the second epoch: the job exits non-zero promptly, and epoch 1's last.pt still loads."""
@@ -87,3 +155,24 @@ def test_several_cuda_devices_without_cuda_is_a_clear_error(run_cli, tmp_path):
     data = shapes_yaml(tmp_path, num_train=8, num_val=4)
     r = run_cli("train", f"data={data}", "device=0,1")
     assert r.returncode == 2 and "no CUDA device is available" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_device_ids_count_within_cuda_visible_devices():
+    """device= ids are torch's indices: with CUDA_VISIBLE_DEVICES=4,5,6,7, device=0,1 means physical 4 and 5."""
+    from yoloaccum.distributed import visible_devices
+
+    assert visible_devices([0, 1], None) == "0,1"
+    assert visible_devices([0, 1], "4,5,6,7") == "4,5"
+    assert visible_devices([3, 1], "4, 5,6,7") == "7,5"
+    with pytest.raises(UserError, match="makes only 2 device"):
+        visible_devices([2], "4,5")
+
+
+def test_under_torchrun_each_local_rank_takes_its_listed_device():
+    """device=2,3 under torchrun: local rank 0 on cuda:2, 1 on cuda:3 (not cuda:0 and cuda:1); too few is an error."""
+    from yoloaccum.distributed import rank_device
+
+    assert [rank_device([2, 3], r, 2) for r in range(2)] == [2, 3]
+    assert rank_device([1], 0, 1) == 1
+    with pytest.raises(UserError, match="lists 1 device"):
+        rank_device([0], 1, 2)

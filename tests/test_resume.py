@@ -4,6 +4,8 @@ The runs use augmentation (mosaic included) and workers=0, so an exact resume mu
 Ultralytics' mosaic buffer, not only the weights. Runs compared bitwise use one thread (see conftest.SERIAL).
 """
 
+import errno
+import math
 import os
 import shutil
 import signal
@@ -17,6 +19,7 @@ import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
 from yoloaccum import checkpoint
+from yoloaccum.errors import UserError
 
 RUN = ("imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1", "log_every=1")
 
@@ -72,6 +75,19 @@ def test_sigterm_exits_143_with_a_resumable_checkpoint(data, tmp_path, run_cli):
     assert r.returncode == 143, r.stderr[-2000:]
     state = checkpoint.load(tmp_path / "term/weights/last.pt")["yoloaccum"]
     assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}  # the window of ni 8 ends at 9
+
+
+def test_a_signal_after_the_epochs_last_window_stops_after_validation(data, tmp_path):
+    cmd = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *RUN, f"project={tmp_path}", "name=val"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("epoch 1/4 6/6"):  # printed after the last window's step: its stop vote is past
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    state = checkpoint.load(tmp_path / "val/weights/last.pt")["yoloaccum"]
+    assert state["position"] == {"epoch": 1, "batch": 0}  # not a window into epoch 2
 
 
 def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_path):
@@ -152,6 +168,9 @@ def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
     assert "iteration 3: non-finite loss or gradient, window skipped (1 so far)" in r.stdout
     state = checkpoint.load(tmp_path / "nan/weights/last.pt")["yoloaccum"]
     assert state["skipped_windows"] == [3]
+    header, row = (line.split(",") for line in (tmp_path / "nan/results.csv").read_text().splitlines())
+    train_losses = [float(v) for k, v in zip(header, row) if k.startswith("train/")]
+    assert len(train_losses) == 3 and all(map(math.isfinite, train_losses))  # the skipped window is not averaged in
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
@@ -198,3 +217,49 @@ def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path):
         ckpt = torch.load(target, weights_only=True)
         assert ckpt["weights"].numel() == 4_000_000 and ckpt["epoch"] >= 1
     assert not list(tmp_path.glob(".last.pt.*.tmp")) or True  # a killed writer may leave its temporary file
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_and_keeps_the_previous_last_pt(data, tmp_path, run_cli):
+    """From iteration 8 (epoch 2) every checkpoint write fails with ENOSPC: epoch 1's last.pt stays, and resumes."""
+    r = run_cli("train", f"data={data}", *RUN, "epochs=2", f"project={tmp_path}", "name=full",
+                env={"YOLOACCUM_FAULT": "enospc@8"}, timeout=600)  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "previous last.pt is intact" in lines[0]
+    weights = tmp_path / "full/weights"
+    assert checkpoint.load(weights / "last.pt")["epoch"] == 0  # epoch 1's
+    assert not list(weights.glob(".*.tmp"))
+    r = run_cli("train", f"resume={weights / 'last.pt'}", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert checkpoint.load(weights / "last.pt")["epoch"] == 1
+
+
+def test_a_failing_disk_leaves_the_old_file_and_no_temporary_one(tmp_path):
+    target = tmp_path / "last.pt"
+    checkpoint.save_atomic({"epoch": 1}, target)
+    checkpoint.fail_writes(errno.EIO)
+    try:
+        with pytest.raises(UserError, match="Input/output error; the previous last.pt is intact"):
+            checkpoint.save_atomic({"epoch": 2}, target)
+    finally:
+        checkpoint._failing_writes.clear()
+    assert torch.load(target, weights_only=True) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+@pytest.mark.slow
+def test_remainder_carry_keeps_a_window_left_open_at_a_stop(data, tmp_path, run_cli):
+    """With remainder=carry a window spans epochs 2 and 3 (ni 11 to 14); a SIGINT at ni 11 stops at epoch 2's end,
+    after validation, and last.pt keeps the open window's gradients and counts: the resumed run ends bitwise equal."""
+    carry = (f"data={data}", *RUN, "nbs=16", "epochs=3", "remainder=carry", f"project={tmp_path}")
+    full = run_cli("train", *carry, "name=full", env=SERIAL, timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+    r = run_cli("train", *carry, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@11"}, timeout=600)
+    assert r.returncode == 130, r.stderr[-2000:]
+    state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
+    assert state["position"] == {"epoch": 2, "batch": 0}
+    assert state["ranks"][0]["open_window"]["micro_batches"] == 1
+    r = run_cli("train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert relative_difference(final_weights(tmp_path / "sig"), final_weights(tmp_path / "full")) == 0.0

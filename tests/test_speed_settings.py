@@ -83,6 +83,15 @@ def test_loaders_use_workers_on_cuda_only():
     assert loader_workers(10_000, torch.device("cuda", 0)) == os.cpu_count()
 
 
+def test_workers_share_the_machine_among_its_ranks(monkeypatch):
+    """As Ultralytics' cpu_count // devices: each of the machine's ranks takes its share of the cores at most."""
+    from yoloaccum.data import loader_workers
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert loader_workers(10_000, torch.device("cuda", 0)) == os.cpu_count() // 2
+    assert loader_workers(1, torch.device("cuda", 0)) == 1
+
+
 def test_objects_built_before_training_are_hidden_from_the_garbage_collector_until_it_ends():
     import gc
 

@@ -29,8 +29,8 @@ def test_metrics_agree_with_ultralytics_validator(trained, tmp_path):
     from yoloaccum import checkpoint
 
     weights, dataset = trained
-    # The same weights: the half-precision EMA that Ultralytics loads (yoloaccum val uses the exact fp32 copy).
-    model = checkpoint.load(weights)["ema"].float().fuse(verbose=False)
+    # The same weights: best.pt's half-precision EMA, as Ultralytics loads it.
+    model = checkpoint.model_of(checkpoint.load(weights)).fuse(verbose=False)
     cfg = config.resolve([f"data={dataset}", "imgsz=96", "batch=8"])
     evaluator = validate.Evaluator(cfg, data.load_spec(dataset), tmp_path, 8, torch.device("cpu"))
     ours = evaluator.evaluate(model)

@@ -19,20 +19,30 @@ from yoloaccum.errors import UserError
 LABEL_KEYS = ("batch_idx", "cls", "bboxes")
 
 
-def micro_steps(engine, first_ni: int, window: list[dict[str, Any]], last_in_window: bool) -> torch.Tensor:
-    """Forward and backward the window's newest batch. On an out-of-memory error, back off and run the window again
-    from its first batch, as often as it takes; returns the loss items of the newest batch."""
-    start = len(window) - 1
+def micro_steps(engine, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:
+    """Forward and backward loader batch ni, the newest of engine.window_batches. On an out-of-memory error, back off
+    and run the window again from its first batch, as often as it takes; returns the loss items of batch ni."""
+    try:
+        return iteration(engine, ni, batch, last_in_window)
+    except torch.OutOfMemoryError:
+        pass
+    # Outside the except block: its traceback, whose frames hold the failed step's tensors, is gone.
+    window = engine.window_batches
+    if window is None:
+        raise UserError(
+            f"out of memory at iteration {ni}, in a window reopened from last.pt, whose first batches cannot run "
+            "again; resume with grad_checkpointing=True or a smaller batch"
+        )
+    failed = ni
     while True:
+        back_off(engine, failed)
+        first = ni - len(window) + 1
         try:
-            for k in range(start, len(window)):
-                items = iteration(engine, first_ni + k, window[k], last_in_window and k == len(window) - 1)
+            for k, b in enumerate(window):
+                items = iteration(engine, first + k, b, last_in_window and k == len(window) - 1)
             return items
         except torch.OutOfMemoryError:
-            failed = first_ni + k
-        # Outside the except block: its traceback, whose frames hold the failed step's tensors, is gone.
-        back_off(engine, failed)
-        start = 0
+            failed = first + k
 
 
 def iteration(engine, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:

@@ -7,6 +7,7 @@ optimizer, scaler, schedule, position, early-stopping state and RNG states. best
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import tempfile
@@ -20,6 +21,14 @@ from yoloaccum.errors import UserError
 
 _UMASK = os.umask(0o022)  # reading the umask means setting it: once, at import, before any thread could write a file
 os.umask(_UMASK)
+# The disk, not the program: full, over quota, read-only or failing. The user can fix these and resume.
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
+_failing_writes: list[int] = []  # test hook (engine.Fault): every write from now on fails with this errno, midway
+
+
+def fail_writes(code: int) -> None:
+    """From now on, every checkpoint write fails halfway with OSError(code), as on a disk that filled up."""
+    _failing_writes[:] = [code]
 
 
 def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
@@ -28,7 +37,15 @@ def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     for path in paths:
-        write_bytes_atomic(buffer.getvalue(), path)
+        try:
+            write_bytes_atomic(buffer.getvalue(), path)
+        except OSError as e:
+            if e.errno not in DISK_ERRORS:
+                raise
+            kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+            last = path.parent / "last.pt"
+            hint = f"; resume with: yoloaccum train resume={last}" if last.exists() else ""
+            raise UserError(f"writing {path} failed: {e.strerror}; {kept}; free space on that disk{hint}") from e
 
 
 def write_bytes_atomic(data: bytes, path: Path) -> None:
@@ -37,6 +54,9 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; written files follow the umask, as open() would
         with os.fdopen(fd, "wb") as f:
+            if _failing_writes:
+                f.write(data[: len(data) // 2])
+                raise OSError(_failing_writes[0], os.strerror(_failing_writes[0]), tmp)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

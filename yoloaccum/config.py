@@ -38,7 +38,7 @@ CHOICES = {
     "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop"),
 }
 _ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Config keeps the spelling above
-_POSITIVE = {"epochs", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf"}
+_POSITIVE = {"epochs", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf", "ddp_timeout"}
 _NON_NEGATIVE = {
     "lr0", "momentum", "weight_decay", "nan_patience", "warmup_epochs", "warmup_momentum", "warmup_bias_lr",
     "workers", "patience", "precise_bn", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s", "hsv_v",

@@ -1,4 +1,5 @@
-"""Datasets: resolve Ultralytics dataset YAMLs, count images, and build loaders whose image order is the seed's alone.
+"""Datasets: resolve Ultralytics dataset YAMLs, count the images training uses, and build loaders whose image order
+is the seed's alone.
 
 The images, labels and augmentations are Ultralytics' YOLODataset. What yoloaccum adds is the order: one permutation
 per (seed, epoch), cut into global batches, so every device count and micro-batch size sees the same images in
@@ -95,19 +96,12 @@ def _entries(yaml_file: Path, root: Path, value: str | list[str]) -> tuple[Path,
     return paths
 
 
-def count_images(paths: tuple[Path, ...]) -> int:
-    """Images under folders and in list files, found by suffix without decoding any image."""
-    n = 0
-    for p in paths:
-        if p.is_dir():
-            n += sum(1 for f in p.rglob("*.*") if f.suffix[1:].lower() in IMG_SUFFIXES)
-        elif p.suffix == ".txt":
-            n += sum(
-                1 for line in p.read_text().splitlines() if line.strip().rpartition(".")[2].lower() in IMG_SUFFIXES
-            )
-        else:
-            n += p.suffix[1:].lower() in IMG_SUFFIXES
-    return n
+def num_training_images(cfg: Config, spec: DatasetSpec) -> int:
+    """The images training will use: Ultralytics' `fraction` of the files, less those its label check skips. Runs the
+    label check (or reads its cache, as training does) but decodes no image for the cache."""
+    from yoloaccum import ultra  # noqa: F401  (Ultralytics quiet before its first import: plan --json is pure JSON)
+
+    return len(build_dataset(cfg.replace(cache=False), spec, "train"))
 
 
 class EpochBatchSampler(Sampler[list[int]]):
@@ -242,7 +236,12 @@ def loader_workers(requested: int, device: torch.device) -> int:
     loading in process, plus the transfer: the forward pass is slower with workers than without (measured in
     docs/performance.md). Validation, and Ultralytics' trainer, do the same.
     """
-    return 0 if device.type == "cpu" else min(requested, os.cpu_count() or 1)
+    if device.type == "cpu":
+        return 0
+    # The machine's cores are shared by its ranks (torchrun's LOCAL_WORLD_SIZE), as Ultralytics caps workers at
+    # cpu_count // devices: one rank's workers must not take the cores another rank's workers need.
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return min(requested, (os.cpu_count() or 1) // ranks_here)
 
 
 def build_loader(
@@ -282,4 +281,5 @@ def build_bn_loader(
         num_workers=loader_workers(cfg.workers, device),
         collate_fn=dataset.collate_fn,
         pin_memory=device.type == "cuda",
+        generator=torch.Generator(),  # its iterator draws a seed: from its own generator, not the training RNG
     )

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from yoloaccum.errors import UserError
+from yoloaccum.errors import Stalled, UserError
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,40 @@ def select_device(device: str | None, local_rank: int = 0) -> torch.device:
         raise UserError(f"device={device} asks for CUDA, but no CUDA device is available; use device=cpu")
     if max(ids) >= torch.cuda.device_count():
         raise UserError(f"device={device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return torch.device("cuda", ids[local_rank % len(ids)] if "LOCAL_RANK" not in os.environ else local_rank)
+    return torch.device("cuda", rank_device(ids, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def rank_device(ids: list[int], local_rank: int, local_world_size: int) -> int:
+    """The CUDA index of this machine's local_rank-th process: the local_rank-th listed id, as Ultralytics takes it.
+
+    Ids are torch's indices, so they count within an existing CUDA_VISIBLE_DEVICES, as torch users expect.
+    """
+    if len(ids) < local_world_size:
+        raise UserError(
+            f"device={','.join(map(str, ids))} lists {len(ids)} device(s) for {local_world_size} processes on this "
+            f"machine; list one device per process (e.g. device={','.join(map(str, range(local_world_size)))})"
+        )
+    return ids[local_rank]
+
+
+def visible_devices(ids: list[int], visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for processes that use torch devices `ids` of this one: the same physical devices, also
+    when this process already sees a subset (CUDA_VISIBLE_DEVICES=4,5,6,7 with device=0,1 keeps 4,5)."""
+    if not visible:
+        return ",".join(map(str, ids))
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if max(ids) >= len(listed):
+        raise UserError(f"device={','.join(map(str, ids))}: CUDA_VISIBLE_DEVICES={visible} makes only "
+                        f"{len(listed)} device(s) visible")  # fmt: skip
+    return ",".join(listed[i] for i in ids)
 
 
 def setup(device: str | None, timeout_s: float = 1800) -> Context:
     """Join torchrun's process group when launched by it (nccl on CUDA, gloo on the CPU).
 
-    The timeout bounds a collective that waits for a rank which is still working (rank 0 validating a large set);
-    a rank that dies is noticed by torchrun at once, which then ends the others.
+    timeout_s (ddp_timeout) bounds every collective: a rank that hangs ends the job after it (see bounded()), so it
+    must also cover the others' wait while rank 0 validates and saves. A rank that dies is noticed by torchrun at
+    once, which then ends the others.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -76,6 +105,9 @@ def setup(device: str | None, timeout_s: float = 1800) -> Context:
     if world > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+            # A timed-out NCCL collective then raises in this process, which bounded() names, rather than the
+            # watchdog aborting it; gloo always raises. The wait it adds is at the window's end, already a sync point.
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return Context(rank, local_rank, world, dev)
 
@@ -108,6 +140,46 @@ def all_reduce_sum(t: torch.Tensor, ctx: Context) -> torch.Tensor:
     return t
 
 
+def gather_to_main(obj: Any, ctx: Context) -> list[Any] | None:
+    """Every rank's obj, in rank order, on rank 0 (None on the others). Pickled: for host-side state."""
+    if ctx.world_size == 1:
+        return [obj]
+    gathered = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def arrive(ctx: Context, ni: int) -> None:
+    """Post, in torchrun's store, that this rank reached the collectives of iteration ni's window: a rank that then
+    waits in vain can name the ones that did not come. One small message per window, to the store's host."""
+    if ctx.world_size > 1:
+        dist.distributed_c10d._get_default_store().set(f"yoloaccum/at/{ctx.rank}", str(ni))
+
+
+@contextlib.contextmanager
+def bounded(ctx: Context, iteration: Callable[[], int], timeout_s: float):
+    """Turn a collective that timed out (a rank hung) into one line naming the rank(s) and the iteration."""
+    try:
+        yield
+    except RuntimeError as e:
+        if ctx.world_size < 2 or not re.search(r"timed out|timeout", str(e), re.IGNORECASE):
+            raise
+        raise stalled(ctx, iteration(), timeout_s) from e
+
+
+def stalled(ctx: Context, ni: int, timeout_s: float) -> Stalled:
+    store = dist.distributed_c10d._get_default_store()  # still answers: it is not the collectives' connection
+    keys = {r: f"yoloaccum/at/{r}" for r in range(ctx.world_size)}
+    seen = {r: int(store.get(k)) if store.check([k]) else -1 for r, k in keys.items()}
+    behind = [f"rank {r} (last at iteration {at})" for r, at in seen.items() if at < ni]
+    who = ", ".join(behind) or "a rank (rank 0 validating or saving?)"
+    return Stalled(
+        f"{who} did not reach iteration {ni} within ddp_timeout={timeout_s:g}s, so the job stops (rank {ctx.rank} "
+        "waited there); last.pt holds the last completed save. Check that rank's machine, or raise ddp_timeout if it "
+        "was only slow"
+    )
+
+
 @contextlib.contextmanager
 def main_first(ctx: Context):
     """Rank 0 runs the block first (it may write files, like a dataset's label cache), then the other ranks."""
@@ -138,7 +210,7 @@ def launch(args: list[str], device: str | None) -> int:
 
     ids = cuda_ids(device)
     select_device(device)  # fail here, once, if the devices are not there
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))}
     rest = [a for a in args if not a.startswith("device=")] + [f"device={','.join(map(str, range(len(ids))))}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(ids)}",
            "-m", "yoloaccum", "train", *rest]  # fmt: skip

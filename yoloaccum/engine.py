@@ -7,9 +7,11 @@ drive the same code with a toy model.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,9 +53,13 @@ class Engine:
     buffers_at_window_start: list[torch.Tensor] = field(default_factory=list)
     window_counts: WindowCounts = field(init=False)
     history: list[StepRecord] = field(default_factory=list)  # one record per step; the trainer drains it
-    micro_batches_in_window: int = 0
+    micro_batches_in_window: int = 0  # of the open window; with remainder=carry it may have begun last epoch
+    ni: int = -1  # the iteration in progress: where a rank that waits in vain for the others was
     split: int = 1  # micro-steps per loader batch: doubles at each out-of-memory back-off (backoff.py)
     back_offs: list[int] = field(default_factory=list)  # iterations that ran out of memory
+    # The open window's loader batches, kept until its step: after an out-of-memory error the window runs again.
+    # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
+    window_batches: list[dict[str, Any]] | None = field(default_factory=list)
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -66,22 +72,25 @@ class Engine:
         Returns early, at a window boundary, when should_stop() is true on any rank or after nan_patience skipped
         windows in a row.
         """
-        s, nb, window_start, i = self.schedule, self.schedule.batches_per_epoch, start, start - 1
+        s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
         for i, batch in enumerate(batches, start):
-            ni = epoch * nb + i
+            self.ni = ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
-            if i == window_start:  # a skipped window must not leave its statistics in BatchNorm's running buffers
+            if self.micro_batches_in_window == 0:  # a skipped window must not leave its statistics in BatchNorm
                 self._snapshot_buffers()
-                window = []
-            window.append(batch)  # kept until the step: after an out-of-memory error the window runs again
+                self.window_batches = []
+            if self.window_batches is not None:
+                self.window_batches.append(batch)
+            if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts
+                distributed.arrive(self.ctx, ni)
             # The batch's micro-steps; DDP all-reduces gradients inside the backward of the window's last one only.
-            items = backoff.micro_steps(self, epoch * nb + window_start, window, last_in_window)
+            items = backoff.micro_steps(self, ni, batch, last_in_window)
+            fill = -(-self.micro_batches_in_window // self.split)  # in loader batches, as accumulate counts them
             stop = self.step(ni, should_stop()) if last_in_window else False
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
-                on_micro_step(i, items, batch["img"].shape[0], i - window_start + 1, s.accumulate_at(ni), lr)
+                on_micro_step(i, items, batch["img"].shape[0], fill, s.accumulate_at(ni), lr)
             if last_in_window:
-                window_start = i + 1
                 if stop:
                     return EpochResult(i + 1, "interrupted")
                 if self.nan_patience and self.skipped_in_a_row >= self.nan_patience:
@@ -146,6 +155,38 @@ class Engine:
         self.micro_batches_in_window = 0
         return stop_votes > 0
 
+    def open_window(self) -> dict[str, Any] | None:
+        """This rank's part of a window still open (remainder=carry at an epoch's end), on the host, for last.pt: its
+        accumulated gradients, counts and the BatchNorm buffers from its start; None when no window is open."""
+        if self.micro_batches_in_window == 0:
+            return None
+        grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.raw_model.parameters()]
+        return {"grads": grads, "counts": self.window_counts.tensor.cpu(),
+                "micro_batches": self.micro_batches_in_window,
+                "buffers": [b.cpu() for b in self.buffers_at_window_start]}  # fmt: skip
+
+    def restore_window(self, window: dict[str, Any] | None) -> None:
+        """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts."""
+        if window is None:
+            return
+        for p, g in zip(self.raw_model.parameters(), window["grads"], strict=True):
+            p.grad = None if g is None else torch.empty_like(p).copy_(g)  # empty_like: the parameter's layout
+        self.window_counts.tensor.copy_(window["counts"])
+        self.buffers_at_window_start = [b.to(self.ctx.device) for b in window["buffers"]]
+        self.micro_batches_in_window = window["micro_batches"]
+        self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it
+
+
+def merge_windows(windows: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The open window of several ranks as one rank's (resuming on another number of ranks): gradients and counts
+    summed, which the window's all-reduce would have done; BatchNorm buffers of the first."""
+    windows = [w for w in windows if w is not None]
+    if not windows:
+        return None
+    grads = [None if gs[0] is None else sum(gs) for gs in zip(*(w["grads"] for w in windows))]
+    counts = sum(w["counts"] for w in windows)
+    return {**windows[0], "grads": grads, "counts": counts}
+
 
 def model_input(img: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A loader's images as the model takes them: on the device, float in [0, 1].
@@ -203,8 +244,10 @@ class Fault:
     (every rank when omitted).
 
     KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a non-finite
-    input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), or `oom`
-    (torch.OutOfMemoryError, what CUDA raises when the device is full), once.
+    input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), `hang` (sleeps
+    forever, as a rank stuck in a driver or a file system), `enospc` / `eio` (every checkpoint write from then on
+    fails, as on a full or failing disk), or `oom` (torch.OutOfMemoryError, what CUDA raises when the device is
+    full), once.
     """
 
     kind: str
@@ -229,21 +272,21 @@ class Fault:
     def trigger(self, batch: dict[str, Any]) -> None:
         if self.kind == "raise":
             raise RuntimeError(f"YOLOACCUM_FAULT: injected failure at iteration {self.ni}")
+        while self.kind == "hang":  # signals run their handlers and the sleep goes on; only SIGKILL ends it
+            time.sleep(3600)
         if self.kind == "nan":
             batch["img"] = batch["img"].float() * float("nan")
         elif self.kind == "oom":
             if not getattr(self, "oom_raised", False):  # once: not again when the window runs again
                 object.__setattr__(self, "oom_raised", True)
                 raise torch.OutOfMemoryError(f"YOLOACCUM_FAULT: injected out-of-memory error at iteration {self.ni}")
+        elif self.kind in {"enospc", "eio"}:
+            from yoloaccum import checkpoint  # the engine itself never writes; only this hook reaches the disk
+
+            checkpoint.fail_writes(errno.ENOSPC if self.kind == "enospc" else errno.EIO)
         else:
             os.kill(os.getpid(), _FAULTS[self.kind])
 
 
-_FAULTS = {
-    "raise": None,
-    "nan": None,
-    "oom": None,
-    "kill": signal.SIGKILL,
-    "sigint": signal.SIGINT,
-    "sigterm": signal.SIGTERM,
-}
+_FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
+           "enospc": None, "eio": None, "hang": None, "oom": None}  # fmt: skip

@@ -5,6 +5,10 @@ class UserError(Exception):
     """A problem in the user's input (config, paths, data, devices) whose message says what to do."""
 
 
+class Stalled(UserError):
+    """A rank did not reach a collective within ddp_timeout; the message names it and the iteration."""
+
+
 class Diverged(Exception):
     """Training stopped after nan_patience non-finite windows in a row; last.pt holds the last good state."""
 

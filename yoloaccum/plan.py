@@ -32,7 +32,7 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
         raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
     else:
         spec = data.load_spec(cfg.data)
-        num_images, nc = data.count_images(spec.train), spec.nc
+        num_images, nc = data.num_training_images(cfg, spec), spec.nc
     choice = None
     if config.is_auto_batch(cfg.batch):  # measured as a run would; the config keeps what was asked
         spec = (

@@ -36,8 +36,11 @@ class EpochProgress:
         self.log_every, self.device, self.enabled = log_every, device, enabled
         self.console = console or Console()
         self.interactive = enabled and self.console.is_terminal
+        # Loss sums on the device: of the windows that stepped, and of the open window, whose fate its end decides.
         self.loss_sum: torch.Tensor | None = None
-        self.images, self.count, self.start = 0, 0, time.perf_counter()  # count: micro-batches seen (a resume skips)
+        self.window_sum: torch.Tensor | None = None
+        self.count, self.window_count = 0, 0  # micro-batches in each
+        self.images, self.start = 0, time.perf_counter()
         self.bar: Progress | None = None
         if self.interactive:
             columns = (BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"))
@@ -48,8 +51,8 @@ class EpochProgress:
     def update(self, i: int, items: torch.Tensor, num_images: int, fill: int, accumulate: int, effective_batch: int,
                lr: float) -> None:  # fmt: skip
         """Record micro-batch i (0-based); fill/accumulate is the window's progress; items are the loss terms."""
-        self.loss_sum = items.detach() if self.loss_sum is None else self.loss_sum + items.detach()
-        self.images, self.count = self.images + num_images, self.count + 1
+        self.window_sum = items.detach() if self.window_sum is None else self.window_sum + items.detach()
+        self.images, self.window_count = self.images + num_images, self.window_count + 1
         if not self.enabled:
             return
         last = i + 1 == self.nb
@@ -61,13 +64,24 @@ class EpochProgress:
             print(f"epoch {self.epoch + 1}/{self.epochs} {i + 1}/{self.nb} "
                   f"{self._stats(i, fill, accumulate, effective_batch, lr)}", flush=True)  # fmt: skip
 
+    def end_window(self, skipped: bool) -> None:
+        """The window closed: its losses count towards the epoch's mean unless it was skipped as non-finite."""
+        if not skipped and self.window_sum is not None:
+            self.loss_sum = self.window_sum if self.loss_sum is None else self.loss_sum + self.window_sum
+            self.count += self.window_count
+        self.window_sum, self.window_count = None, 0
+
     def _stats(self, i: int, fill: int, accumulate: int, effective_batch: int, lr: float) -> str:
-        losses = " ".join(f"{n.replace('_loss', '')}={v:.3f}" for n, v in zip(self.names, self.mean_losses(self.count)))
+        losses = " ".join(f"{n.replace('_loss', '')}={v:.3f}" for n, v in zip(self.names, self.mean_losses()))
         return (f"window {fill}/{accumulate} eff_batch={effective_batch} lr={lr:.3g} {losses} "
                 f"{self.images_per_second():.1f} img/s mem={memory_gb(self.device):.2f}G")  # fmt: skip
 
-    def mean_losses(self, count: int) -> list[float]:
-        return (self.loss_sum / count).tolist() if self.loss_sum is not None else []
+    def mean_losses(self) -> list[float]:
+        """Mean loss terms per micro-batch over the windows that stepped and the open one (nan when none did)."""
+        sums = [t for t in (self.loss_sum, self.window_sum) if t is not None]
+        if not sums:
+            return [float("nan")] * len(self.names)
+        return (sum(sums) / (self.count + self.window_count)).tolist()
 
     def images_per_second(self) -> float:
         return self.images / max(time.perf_counter() - self.start, 1e-9)

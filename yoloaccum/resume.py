@@ -23,6 +23,7 @@ from yoloaccum.schedule import Schedule
 MAY_CHANGE = {
     "resume",
     "workers",
+    "ddp_timeout",
     "device",
     "verbose",
     "log_every",

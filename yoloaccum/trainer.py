@@ -23,7 +23,7 @@ from yoloaccum import autobatch, backoff, checkpoint, data, distributed, loss, o
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, is_auto_batch, resolve
-from yoloaccum.engine import Engine, EpochResult, model_input
+from yoloaccum.engine import Engine, EpochResult, merge_windows, model_input
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress, StepLog
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
@@ -43,7 +43,7 @@ class Trainer:
         from ultralytics.utils.torch_utils import EarlyStopping, ModelEMA
 
         self.cfg = cfg
-        self.ctx = distributed.setup(cfg.device)
+        self.ctx = distributed.setup(cfg.device, cfg.ddp_timeout)
         # Augmentation draws differ per rank, as in Ultralytics; DDP broadcasts rank 0's initial weights.
         seed_everything(cfg.seed + self.ctx.rank, cfg.deterministic)
         if self.ctx.device.type == "cpu":  # measured where it was tuned: training on the CPU (docs/performance.md)
@@ -104,6 +104,7 @@ class Trainer:
         self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
         self.steps = StepLog(self.run.path) if self.run else None
         self.plot_at = plots.train_batch_indices(self.schedule, cfg.close_mosaic) if cfg.plots else frozenset()
+        self.rank_states: list[dict] | None = None  # on rank 0, every rank's, gathered before each save
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
 
@@ -117,11 +118,13 @@ class Trainer:
         """Run the remaining epochs; returns the final metrics (best.pt's, as Ultralytics' final_eval)."""
         s, cfg = self.schedule, self.cfg
         if self.run:
-            self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers, self.batch_choice)
+            self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers,
+                              min(cfg.precise_bn, len(self.train_set)), self.batch_choice)  # fmt: skip
             if cfg.plots and self.position == (0, 0):
                 plots.labels(self.train_set, self.spec.names, self.run.path)
         self.train_start = time.perf_counter()
-        with GracefulStop() as stop_signal, frozen_heap():
+        bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
+        with GracefulStop() as stop_signal, frozen_heap(), bounded:
             epoch, start = self.position
             while True:
                 if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
@@ -133,6 +136,10 @@ class Trainer:
                 else:
                     self.loss.end_epoch()
                     ended = self.end_epoch(epoch, images_per_second)
+                    # A signal after the epoch's last window (during validation, say) stops here, last.pt just saved,
+                    # rather than after one more window.
+                    if ended is None and result.stopped is None and self._agree(stop_signal()):
+                        result = EpochResult(result.done, "interrupted")
                 if reason := stop_reason(result.stopped, ended):
                     break
                 epoch, start = epoch + 1, 0
@@ -152,6 +159,8 @@ class Trainer:
 
         def on_micro_step(i, items, images, fill, accumulate, lr):
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
+            if s.steps_after(ni := epoch * s.batches_per_epoch + i):
+                progress.end_window(skipped=ni in self.engine.skipped[-1:])
 
         batches = self.loader
         if self.run and self.plot_at:
@@ -164,7 +173,7 @@ class Trainer:
         if self.steps:
             self.steps.append(self.engine.history, s.batches_per_epoch)
         self.engine.history.clear()
-        self.train_losses = progress.mean_losses(max(result.done - start, 1))
+        self.train_losses = progress.mean_losses()
         return result, progress.images_per_second() * self.ctx.world_size
 
     def _raise_stopped(self, reason: str, stop_signal: GracefulStop) -> None:
@@ -213,6 +222,7 @@ class Trainer:
         # validation that only early stopping asks for (val=False) uses the statistics training left.
         if self.bn_loader is not None and (self.cfg.val or final):
             self.recompute_bn()
+        self._gather_rank_states()
         if self.run is not None:
             # As Ultralytics, also validate when early stopping could trigger now, so that it sees a fresh figure.
             validate = self.cfg.val or final or self.stopper.possible_stop
@@ -266,6 +276,7 @@ class Trainer:
 
     def save_position(self, epoch: int, done: int) -> None:
         """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
+        self._gather_rank_states()
         if self.run is not None and self.cfg.save:
             checkpoint.save_atomic(self.state((epoch, done), interrupted=True), self.run.weights / "last.pt")
         distributed.barrier(self.ctx)
@@ -300,8 +311,7 @@ class Trainer:
                 "stopper": {"best_fitness": self.stopper.best_fitness, "best_epoch": self.stopper.best_epoch},
                 "skipped_windows": list(self.engine.skipped),
                 "back_offs": list(self.engine.back_offs),  # out-of-memory back-offs: the micro-batch stays halved
-                "rng": resume.rng_state(self.loader.generator),
-                "mosaic_buffer": list(getattr(self.train_set, "buffer", [])),
+                "ranks": [self._rank_state(), *self.rank_states[1:]],  # rank 0's as of now, after validation
             },
         }
 
@@ -309,6 +319,34 @@ class Trainer:
         """schedule.png, from the optimizer steps the run logged in schedule.csv (plots=True)."""
         if self.cfg.plots:
             plots.schedule(self.steps.file, self.run.path / "schedule.png")
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What each rank holds apart from the others: random states, mosaic buffer, its part of an open window."""
+        return {"rng": resume.rng_state(self.loader.generator), "open_window": self.engine.open_window(),
+                "mosaic_buffer": list(getattr(self.train_set, "buffer", []))}  # fmt: skip
+
+    def _gather_rank_states(self) -> None:
+        """Every rank's _rank_state() to rank 0, for the next save. A collective: every rank calls it, at the point
+        of the epoch (or stop) where its random states are those the next epoch starts from."""
+        if self.cfg.save:  # the same on every rank, so all of them skip it together
+            self.rank_states = distributed.gather_to_main(self._rank_state(), self.ctx)
+
+    def _restore_rank_state(self, ranks: list[dict[str, Any]]) -> None:
+        """This rank's own states. On another number of ranks the weights, optimizer, image order and any open window
+        continue exactly; the augmentation draws cannot, since each rank now sees other images."""
+        rank, same = self.ctx.rank, len(ranks) == self.ctx.world_size
+        if not same and self.run is not None:
+            self.run.console.print(f"resuming {len(ranks)} rank(s) on {self.ctx.world_size}: the weights, optimizer, "
+                                   "image order and schedule continue exactly; augmentation draws differ from the "
+                                   "uninterrupted run")  # fmt: skip
+        mine = ranks[rank] if rank < len(ranks) else None
+        if same:
+            self.engine.restore_window(mine["open_window"])
+        elif rank == 0:  # the saved ranks' window, summed, goes to one rank: the all-reduce sums it with the rest
+            self.engine.restore_window(merge_windows([r["open_window"] for r in ranks]))
+        if mine is not None:
+            resume.restore_mosaic_buffer(self.train_set, mine["mosaic_buffer"])
+            resume.restore_rng(mine["rng"], self.loader.generator)  # last: building the run consumed random numbers
 
     def load_state(self, state: dict[str, Any], ckpt: dict[str, Any]) -> None:
         """Continue from a checkpoint written by state(): weights, optimizer, EMA, schedule position, RNG."""
@@ -332,8 +370,7 @@ class Trainer:
             self.steps.truncate(self.position[0] * self.schedule.batches_per_epoch + self.position[1])
             self.run.console.print(f"resuming {self.run.path} at epoch {self.position[0] + 1}, "
                                    f"micro-batch {self.position[1]}")  # fmt: skip
-        resume.restore_mosaic_buffer(self.train_set, state["mosaic_buffer"])
-        resume.restore_rng(state["rng"], self.loader.generator)  # last: building the run consumed random numbers
+        self._restore_rank_state(state["ranks"])
 
 
 def run(args: list[str]) -> dict[str, float]:
