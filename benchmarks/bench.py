@@ -129,15 +129,34 @@ def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
     return seen / (time.perf_counter() - start)
 
 
-def peak_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int) -> float:
+def peak_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int, function: str = "train_from_memory",
+                on: bool | None = None):  # fmt: skip
     """(c) Peak memory (MB) of a fresh process that trains `steps` micro-batches from memory at batch/nbs: CUDA's
-    peak allocation on CUDA, the process's max RSS on the CPU."""
-    proc = subprocess.Popen(command("train_from_memory", model, imgsz, batch, nbs, steps), stdout=subprocess.PIPE)
+    peak allocation on CUDA, the process's max RSS on the CPU. With function="checkpointing_probe" (g), also what
+    that returned, as (MB, result)."""
+    args = (model, imgsz, batch, nbs, steps) if on is None else (model, imgsz, batch, steps, on)
+    proc = subprocess.Popen(command(function, *args), stdout=subprocess.PIPE)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)  # wait4 rather than wait: it also returns the child's max RSS
     assert status == 0, f"memory probe failed ({status})"
-    cuda_bytes = json.loads(out.decode().strip().splitlines()[-1])
-    return cuda_bytes / 2**20 if cuda_bytes is not None else usage.ru_maxrss / 1024  # ru_maxrss: KiB on Linux
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    cuda_bytes = result if on is None else result["cuda_bytes"]
+    mb = cuda_bytes / 2**20 if cuda_bytes is not None else usage.ru_maxrss / 1024  # ru_maxrss: KiB on Linux
+    return mb if on is None else (mb, result)
+
+
+def grad_checkpointing(model: str, imgsz: int, batch: int, steps: int) -> dict:
+    """(g) Peak memory at micro-batch 1 and `batch`, and images/s at `batch`, with and without grad_checkpointing,
+    each in a fresh process. What training adds above the model's baseline is the peak at `batch` less that at 1."""
+    out = {}
+    for on in (False, True):
+        peaks = {b: peak_memory(model, imgsz, b, b, steps, function="checkpointing_probe", on=on) for b in (1, batch)}
+        out[f"grad_checkpointing={on}"] = {"peak_mb_batch_1": peaks[1][0], f"peak_mb_batch_{batch}": peaks[batch][0],
+                                           "added_mb": peaks[batch][0] - peaks[1][0],
+                                           "img_s": peaks[batch][1]["img_s"]}  # fmt: skip
+    off, on = out["grad_checkpointing=False"], out["grad_checkpointing=True"]
+    out.update(batch=batch, added_ratio=on["added_mb"] / off["added_mb"], speed_ratio=on["img_s"] / off["img_s"])
+    return out
 
 
 def main() -> None:
@@ -166,6 +185,7 @@ def main() -> None:
     steps = 4 if smoke else 16
     configs = ((micro, 64), (micro, micro), (64, 64))
     report["memory_mb"] = {f"batch={b} nbs={n}": peak_memory(models[0], imgsz, b, n, steps) for b, n in configs}
+    report["grad_checkpointing"] = grad_checkpointing(models[0], imgsz, 32, 2 if smoke else 8)
     report["accumulation"] = accumulation_overhead(models[0], imgsz, micro, pairs=2 if smoke else 12)
     report["data_pipeline_img_s"] = data_pipeline(data, imgsz, micro, 4 if smoke else 64)
     print(json.dumps(report, indent=1))
@@ -205,6 +225,16 @@ def markdown(r: dict) -> str:
               f"Data pipeline alone: {r['data_pipeline_img_s']:.0f} img/s with augmentation, "
               f"{r['data_pipeline_img_s'] / rows[0]['yoloaccum_img_s']:.0f}x what training at "
               f"{rows[0]['yoloaccum_img_s']:.0f} img/s consumes."]  # fmt: skip
+    g = r["grad_checkpointing"]
+    off, on = g["grad_checkpointing=False"], g["grad_checkpointing=True"]
+    lines += ["", f"| micro-batch {g['batch']} (peak: max RSS on the CPU, peak allocated on CUDA) | peak at 1, MB | "
+              f"peak at {g['batch']}, MB | added, MB | img/s |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    big = f"peak_mb_batch_{g['batch']}"
+    for name, row in (("without grad_checkpointing", off), ("grad_checkpointing=True", on)):
+        lines.append(f"| {name} | {row['peak_mb_batch_1']:.0f} | {row[big]:.0f} | "
+                     f"{row['added_mb']:.0f} | {row['img_s']:.1f} |")  # fmt: skip
+    lines += ["", f"grad_checkpointing: {g['added_ratio']:.2f}x the memory training adds at micro-batch {g['batch']}, "
+              f"at {g['speed_ratio']:.2f}x the images/s."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -75,11 +75,14 @@ def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]
     return batches
 
 
-def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, epochs: int = 1) -> Engine:
-    """yoloaccum's engine around a fresh model as the trainer sets it up (channels-last, AMP on CUDA, an EMA), with a
-    schedule of num_batches micro-batches an epoch and no warmup."""
+def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, epochs: int = 1,
+               grad_checkpointing: bool = False) -> Engine:  # fmt: skip
+    """yoloaccum's engine around a fresh model as the trainer sets it up (channels-last, AMP on CUDA, an EMA, and
+    grad_checkpointing), with a schedule of num_batches micro-batches an epoch and no warmup."""
     from ultralytics.nn.tasks import DetectionModel
     from ultralytics.utils.torch_utils import ModelEMA
+
+    from yoloaccum.model import checkpoint_blocks
 
     runs.keep_freed_memory()  # as the trainer does, so that the memory and accumulation probes see its allocator
     cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=0, imgsz=imgsz,
@@ -90,6 +93,8 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     raw.args = ultralytics_args(cfg)
     raw.train()
     ema = ModelEMA(raw)
+    if grad_checkpointing:
+        checkpoint_blocks(raw)
     return Engine(raw, raw, WindowLoss(raw, "window"), optim.build_optimizer(raw, s), s, CTX, clip_grad=10.0,
                   scaler=torch.amp.GradScaler("cuda", enabled=AMP), ema=ema, amp=AMP)  # fmt: skip
 
@@ -137,6 +142,22 @@ def train_from_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int) 
     n = max(steps // accumulate, 1) * accumulate
     engine_for(model, imgsz, batch, nbs, n).train_epoch(0, on_device(make_batches(n, batch, imgsz)))
     return torch.cuda.max_memory_allocated() if CUDA else None
+
+
+def checkpointing_probe(model: str, imgsz: int, batch: int, steps: int, grad_checkpointing: bool) -> dict:
+    """(g) One micro-batch to warm up, then `steps` windows of one micro-batch each through the engine, with or
+    without grad_checkpointing: images/s of the timed ones and, on CUDA, the peak bytes allocated (on the CPU the
+    parent reads the process's max RSS)."""
+    engine = engine_for(model, imgsz, batch, batch, steps, epochs=2, grad_checkpointing=grad_checkpointing)
+    # Each micro-batch is made when the engine asks for it, so that memory holds one, as a loader's would.
+    batches = (on_device(make_batches(1, batch, imgsz, seed=k))[0] for k in range(steps + 1))
+    engine.train_epoch(0, [next(batches)], start=steps - 1)  # the first epoch's last micro-batch: the warm-up
+    synchronize()
+    start = time.perf_counter()
+    engine.train_epoch(1, batches)
+    synchronize()
+    img_s = steps * batch / (time.perf_counter() - start)
+    return {"img_s": img_s, "cuda_bytes": torch.cuda.max_memory_allocated() if CUDA else None}
 
 
 def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fraction: float,

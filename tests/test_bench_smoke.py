@@ -20,6 +20,8 @@ def test_bench_smoke_produces_every_figure():
     assert row["yoloaccum_img_s"] > 0 and row["ultralytics_img_s"] > 0 and row["fraction_of_bare_limit"] > 0
     assert len(report["memory_mb"]) == 3 and all(v > 0 for v in report["memory_mb"].values())
     assert report["accumulation"]["seconds_per_image_acc1"] > 0 and report["data_pipeline_img_s"] > 0
+    checkpointing = report["grad_checkpointing"]
+    assert checkpointing["added_ratio"] > 0 and checkpointing["speed_ratio"] > 0
 
 
 def test_bench_ddp_quick_counts_one_all_reduce_per_window():

@@ -36,8 +36,6 @@ BAD_INPUT = [
     pytest.param(("cfg", "amp=yes"), ("amp=yes is not true/false",), id="wrong-type-bool"),
     pytest.param(("cfg", "batch=0"), ("batch=0 must be a whole number of images",), id="batch-zero"),
     pytest.param(("cfg", "batch=2.5"), ("batch=2.5 must be a whole number of images",), id="batch-fractional"),
-    pytest.param(("plan", "batch=-1", "images=100"), ("AutoBatch", "not support yet", "batch=N"), id="plan-autobatch"),
-    pytest.param(("train", "batch=0.7", "data=x.yaml"), ("batch=0.7 asks for AutoBatch",), id="train-autobatch"),
     pytest.param(("cfg", "nbs=0"), ("nbs=0 must be greater than 0",), id="nbs-zero"),
     pytest.param(("cfg", "epochs=0"), ("epochs=0 must be greater than 0",), id="epochs-zero"),
     pytest.param(("cfg", "lr0=-0.1"), ("lr0=-0.1 must not be negative",), id="negative-lr"),

@@ -260,11 +260,11 @@ def is_auto_batch(batch: int | float) -> bool:
 
 
 def _check_batch(v: int | float) -> None:
-    # AutoBatch values are accepted here, as by Ultralytics, so that its recipes load; training refuses them.
+    # AutoBatch values: train and plan choose the micro-batch from device memory (autobatch.py).
     if not is_auto_batch(v) and not (v >= 1 and float(v).is_integer()):
         raise UserError(
-            f"batch={v} must be a whole number of images, e.g. batch=16 (-1 or a fraction such as 0.7 asks for "
-            "Ultralytics' AutoBatch, which yoloaccum does not support yet)"
+            f"batch={v} must be a whole number of images, e.g. batch=16, or -1 or a fraction such as 0.7 to choose "
+            "it from CUDA memory"
         )
 
 

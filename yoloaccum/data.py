@@ -201,6 +201,13 @@ _REASONS = (
 )
 
 
+def set_batch(dataset: Dataset, batch: int) -> None:
+    """What Ultralytics sizes from the batch, for one chosen after the dataset was built (batch=-1): its mosaic
+    buffer, as BaseDataset.__init__ sizes it."""
+    dataset.batch_size = batch
+    dataset.max_buffer_length = min((dataset.ni, batch * 8, 1000)) if dataset.augment else 0
+
+
 def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> str:
     """ "train: N images, M skipped: 2 unreadable image, 1 class id >= nc; ..." with a line per skipped file."""
     from collections import Counter

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from yoloaccum import distributed, optim
+from yoloaccum import backoff, distributed, optim
 from yoloaccum.distributed import Context
 from yoloaccum.schedule import Schedule
 
@@ -55,6 +55,11 @@ class Engine:
     history: list[StepRecord] = field(default_factory=list)  # one record per step; the trainer drains it
     micro_batches_in_window: int = 0  # of the open window; with remainder=carry it may have begun last epoch
     ni: int = -1  # the iteration in progress: where a rank that waits in vain for the others was
+    split: int = 1  # micro-steps per loader batch: doubles at each out-of-memory back-off (backoff.py)
+    back_offs: list[int] = field(default_factory=list)  # iterations that ran out of memory
+    # The open window's loader batches, kept until its step: after an out-of-memory error the window runs again.
+    # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
+    window_batches: list[dict[str, Any]] | None = field(default_factory=list)
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -73,14 +78,14 @@ class Engine:
             last_in_window = s.steps_after(ni)
             if self.micro_batches_in_window == 0:  # a skipped window must not leave its statistics in BatchNorm
                 self._snapshot_buffers()
-            if self.fault and self.fault.applies(ni):
-                self.fault.trigger(batch)
+                self.window_batches = []
+            if self.window_batches is not None:
+                self.window_batches.append(batch)
             if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts
                 distributed.arrive(self.ctx, ni)
-            # DDP all-reduces gradients inside backward(); skip that on all but the window's last micro-batch.
-            with distributed.no_sync(self.model, skip=self.no_sync and not last_in_window):
-                items = self.micro_step(batch)
-            fill = self.micro_batches_in_window
+            # The batch's micro-steps; DDP all-reduces gradients inside the backward of the window's last one only.
+            items = backoff.micro_steps(self, ni, batch, last_in_window)
+            fill = -(-self.micro_batches_in_window // self.split)  # in loader batches, as accumulate counts them
             stop = self.step(ni, should_stop()) if last_in_window else False
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -169,6 +174,7 @@ class Engine:
         self.window_counts.tensor.copy_(window["counts"])
         self.buffers_at_window_start = [b.to(self.ctx.device) for b in window["buffers"]]
         self.micro_batches_in_window = window["micro_batches"]
+        self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it
 
 
 def merge_windows(windows: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -239,8 +245,9 @@ class Fault:
 
     KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a non-finite
     input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), `hang` (sleeps
-    forever, as a rank stuck in a driver or a file system), or `enospc` / `eio` (every checkpoint write from then on
-    fails, as on a full or failing disk).
+    forever, as a rank stuck in a driver or a file system), `enospc` / `eio` (every checkpoint write from then on
+    fails, as on a full or failing disk), or `oom` (torch.OutOfMemoryError, what CUDA raises when the device is
+    full), once.
     """
 
     kind: str
@@ -269,6 +276,10 @@ class Fault:
             time.sleep(3600)
         if self.kind == "nan":
             batch["img"] = batch["img"].float() * float("nan")
+        elif self.kind == "oom":
+            if not getattr(self, "oom_raised", False):  # once: not again when the window runs again
+                object.__setattr__(self, "oom_raised", True)
+                raise torch.OutOfMemoryError(f"YOLOACCUM_FAULT: injected out-of-memory error at iteration {self.ni}")
         elif self.kind in {"enospc", "eio"}:
             from yoloaccum import checkpoint  # the engine itself never writes; only this hook reaches the disk
 
@@ -278,4 +289,4 @@ class Fault:
 
 
 _FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
-           "enospc": None, "eio": None, "hang": None}  # fmt: skip
+           "enospc": None, "eio": None, "hang": None, "oom": None}  # fmt: skip

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import types
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from yoloaccum import checkpoint
@@ -68,3 +71,42 @@ def set_bn_mode(model: nn.Module, bn: str) -> None:
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """grad_checkpointing=True: each block of the model (model.model[i]) keeps only its input for backward and runs
+    its forward again there, so a micro-batch holds a fraction of its activations, at the cost of a second forward.
+
+    The forward is replaced on the instance, as a method bound to it, so that a deepcopy (the EMA, validation) runs
+    its own copy; the state_dict and the checkpoints written are unchanged. Call it after the EMA is made: the EMA
+    only evaluates and needs none of this.
+    """
+    for block in model.model:
+        block.forward = types.MethodType(_checkpointed_forward, block)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    forward = type(self).forward.__get__(self)
+    if not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    # Non-reentrant checkpointing takes any inputs (Concat and the head get lists) and works under DDP and autocast.
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: _recompute_contexts(self), **kwargs)
+
+
+def _recompute_contexts(block: nn.Module):
+    """No context for the first forward; the recomputation in backward must not update BatchNorm's running statistics
+    a second time, so it restores them afterwards (it normalises with the same batch statistics as the first)."""
+    return contextlib.nullcontext(), _buffers_restored(block)
+
+
+@contextlib.contextmanager
+def _buffers_restored(block: nn.Module):
+    buffers = list(block.buffers())
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        if buffers:
+            torch._foreach_copy_(buffers, saved)

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from yoloaccum import config, data, distributed, schedule
+from yoloaccum import autobatch, config, data, distributed, schedule
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
@@ -33,11 +33,20 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
     else:
         spec = data.load_spec(cfg.data)
         num_images, nc = data.num_training_images(cfg, spec), spec.nc
-    sched = schedule.build(cfg, num_images, world_size=distributed.world_size(cfg.device), nc=nc)
+    choice = None
+    if config.is_auto_batch(cfg.batch):  # measured as a run would; the config keeps what was asked
+        spec = (
+            data.load_spec(cfg.data)
+            if cfg.data
+            else data.DatasetSpec(Path(), Path(), (), (), dict.fromkeys(range(nc), ""))
+        )
+        choice = autobatch.for_plan(cfg, num_images, spec)
+    sched = schedule.build(cfg.replace(batch=choice.batch) if choice else cfg, num_images,
+                           world_size=distributed.world_size(cfg.device), nc=nc)  # fmt: skip
     if as_json:
-        print(json.dumps(to_json(cfg, sched)), flush=True)
+        print(json.dumps(to_json(cfg, sched, choice)), flush=True)
     else:
-        render(cfg, sched, Console())
+        render(cfg, sched, Console(), choice)
     if plot_path:
         plot(sched, plot_path)
     return sched
@@ -51,17 +60,17 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
             f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm statistics from so few images "
             "are noisy; consider bn=frozen (fine-tuning) or bn=sync (several CUDA devices)"
         )
-    if schedule.accumulate < round(cfg.nbs / cfg.batch):
+    if schedule.accumulate < round(cfg.nbs / schedule.batch):
         out.append(
             f"the run has only {schedule.total_iterations} iterations, so accumulate is capped at "
-            f"{schedule.accumulate} (round(nbs/batch) = {round(cfg.nbs / cfg.batch)}): {schedule.effective_batch} "
+            f"{schedule.accumulate} (round(nbs/batch) = {round(cfg.nbs / schedule.batch)}): {schedule.effective_batch} "
             "images per optimizer "
             "step, and weight decay is scaled by that accumulate"
         )
-    if cfg.nbs < cfg.batch:
+    if cfg.nbs < schedule.batch:
         out.append(
-            f"nbs={cfg.nbs} < batch={cfg.batch}: accumulate is 1 and weight decay is scaled up by "
-            f"{cfg.batch / cfg.nbs:.3g}x"
+            f"nbs={cfg.nbs} < batch={schedule.batch}: accumulate is 1 and weight decay is scaled up by "
+            f"{schedule.batch / cfg.nbs:.3g}x"
         )
     return out
 
@@ -78,9 +87,10 @@ def ramp_ranges(schedule: Schedule) -> list[tuple[int, int, int]]:
     return runs
 
 
-def summary(cfg: Config, schedule: Schedule) -> dict[str, Any]:
+def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = None) -> dict[str, Any]:
     """The plan's headline figures; also the `summary` object of `plan --json`."""
     return {
+        "batch_from_memory": choice.reason if choice else None,  # batch=-1 or a fraction: what was chosen, and why
         "images": schedule.num_images,
         "epochs": schedule.epochs,
         "world_size": schedule.world_size,
@@ -128,13 +138,13 @@ def iterations(schedule: Schedule) -> list[dict[str, Any]]:
     return out
 
 
-def to_json(cfg: Config, schedule: Schedule) -> dict[str, Any]:
-    return {"version": JSON_VERSION, "summary": summary(cfg, schedule), "iterations": iterations(schedule)}
+def to_json(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = None) -> dict[str, Any]:
+    return {"version": JSON_VERSION, "summary": summary(cfg, schedule, choice), "iterations": iterations(schedule)}
 
 
-def render(cfg: Config, schedule: Schedule, console: Console) -> None:
+def render(cfg: Config, schedule: Schedule, console: Console, choice: autobatch.Choice | None = None) -> None:
     """Print the summary as a rich table, then the warnings."""
-    s = summary(cfg, schedule)
+    s = summary(cfg, schedule, choice)
     ramp = ", ".join(f"{a}–{b} → {c}" for a, b, c in ramp_ranges(schedule)) if s["warmup_iterations"] else "none"
     steps = s["steps_per_epoch"]
     per_epoch = str(steps[0]) if len(set(steps)) == 1 else f"{min(steps)}–{max(steps)}"
@@ -158,6 +168,8 @@ def render(cfg: Config, schedule: Schedule, console: Console) -> None:
         ("optimizer steps", f"{per_epoch} per epoch, {s['total_steps']} in total"),
         ("norm / bn / remainder", f"{s['norm']} / {s['bn']} / {s['remainder']}"),
     ]
+    if choice:
+        rows.insert(2, ("micro-batch from memory", choice.reason))
     for row in rows:
         table.add_row(*row)
     console.print(table)

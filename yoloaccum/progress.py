@@ -16,7 +16,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-EXTRA_COLUMNS = ("accumulate", "effective_batch", "weight_decay", "images_per_second")
+# accumulate and micro_batch (per device) are those the epoch ended with: an out-of-memory back-off changes them.
+EXTRA_COLUMNS = ("accumulate", "effective_batch", "weight_decay", "images_per_second", "micro_batch")
 
 
 def memory_gb(device: torch.device) -> float:

@@ -31,6 +31,7 @@ MAY_CHANGE = {
     "trust_weights",
     "cache",
     "save_period",
+    "grad_checkpointing",  # the same gradients, recomputed: a run that ran out of memory may resume with it
     "project",
     "name",
     "exist_ok",

@@ -105,15 +105,16 @@ class RunDir:
     def results(self) -> Results:
         return Results(self.path)
 
-    def announce(self, schedule, num_images: int, ctx, workers: int, bn_images: int = 0) -> None:
+    def announce(self, schedule, num_images: int, ctx, workers: int, bn_images: int = 0, batch_choice=None) -> None:
         s = schedule
         loading = f"{workers} loader workers" if workers else "data loaded in the training process"
         precise = f"BatchNorm statistics recomputed over {bn_images} images before validation; " if bn_images else ""
+        chosen = f"; micro-batch from memory: {batch_choice.reason}" if batch_choice else ""
         self.console.print(
             f"[bold]yoloaccum[/] {num_images} images, {s.epochs} epochs on {ctx.world_size} × {ctx.device}: "
             f"micro-batch {s.micro_batch} × accumulate {s.accumulate} × {ctx.world_size} device(s) = effective batch "
             f"{s.effective_batch}; weight decay {s.weight_decay:g}; {s.optimizer} lr0={s.lr0:g}; {loading}; "
-            f"{precise}results in {self.path}"
+            f"{precise}results in {self.path}{chosen}"
         )
 
     def finish(self, evaluator, cfg: Config) -> None:

@@ -222,12 +222,8 @@ def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Sc
 
 
 def check_batch(batch: int | float) -> None:
-    """Refuse AutoBatch, which the config accepts so that Ultralytics' recipes load."""
-    if is_auto_batch(batch):
-        raise UserError(
-            f"batch={batch} asks for AutoBatch, which yoloaccum does not support yet; give batch=N, "
-            "a whole number of images (e.g. batch=16)"
-        )
+    """A schedule needs the micro-batch in images: train and plan resolve batch=-1 or a fraction first (autobatch)."""
+    assert not is_auto_batch(batch), f"batch={batch} reached the schedule unresolved; autobatch.choose() resolves it"
 
 
 def extend(planned: Schedule, epochs: int) -> Schedule:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from yoloaccum import checkpoint, data, distributed, loss, optim, plots, precise_bn, resume
+from yoloaccum import autobatch, backoff, checkpoint, data, distributed, loss, optim, plots, precise_bn, resume
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
-from yoloaccum.config import Config, resolve
+from yoloaccum.config import Config, is_auto_batch, resolve
 from yoloaccum.engine import Engine, EpochResult, merge_windows, model_input
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress, StepLog
@@ -58,18 +58,26 @@ class Trainer:
             print(data.summary("train", self.train_set), flush=True)
         else:
             self.run = None
-        self.schedule = schedule_.build(cfg, len(self.train_set), self.ctx.world_size, self.spec.nc)
+        self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
+        if cfg.channels_last:  # NHWC convolutions run forward and backward faster (docs/performance.md)
+            self.raw_model.to(memory_format=torch.channels_last)
+        self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
+        if cfg.grad_checkpointing:  # after the EMA copy, which only evaluates
+            model_.checkpoint_blocks(self.raw_model)
+        self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
+        amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
+        # batch=-1 or a fraction: measured with the model as it trains, or on resume the run's first choice
+        self.batch_choice = autobatch.for_run(cfg, self.ctx, ckpt, self.raw_model, self.loss, amp, self.train_set)
+        batch = self.batch_choice.batch if self.batch_choice else cfg.batch
+        data.set_batch(self.train_set, batch)
+        self.schedule = schedule_.build(
+            cfg.replace(batch=batch), len(self.train_set), self.ctx.world_size, self.spec.nc
+        )
         if ckpt is not None:
             self.schedule = resume.resumed_schedule(ckpt["yoloaccum"], self.schedule, self.spec.nc)
             if self.run and resume.extension_note(ckpt["yoloaccum"], cfg):
                 (self.run.path / "args.yaml").write_text(cfg.to_yaml())  # the run's settings now: its new epochs
         self.loader = self._loader()
-        self.raw_model = model_.build(cfg, self.spec, verbose=False, announce=self.ctx.is_main).to(self.ctx.device)
-        if cfg.channels_last:  # NHWC convolutions run forward and backward faster (docs/performance.md)
-            self.raw_model.to(memory_format=torch.channels_last)
-        self.ema = ModelEMA(self.raw_model)  # before the criterion is attached, so the EMA copy carries none
-        self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
-        amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
         self.engine = Engine(
             model=distributed.wrap(self.raw_model, self.ctx, cfg.bn),
             raw_model=self.raw_model,
@@ -110,9 +118,8 @@ class Trainer:
         """Run the remaining epochs; returns the final metrics (best.pt's, as Ultralytics' final_eval)."""
         s, cfg = self.schedule, self.cfg
         if self.run:
-            self.run.announce(
-                s, len(self.train_set), self.ctx, self.loader.num_workers, min(cfg.precise_bn, len(self.train_set))
-            )
+            self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers,
+                              min(cfg.precise_bn, len(self.train_set)), self.batch_choice)  # fmt: skip
             if cfg.plots and self.position == (0, 0):
                 plots.labels(self.train_set, self.spec.names, self.run.path)
         self.train_start = time.perf_counter()
@@ -250,7 +257,8 @@ class Trainer:
         row.update(self.metrics)
         row.pop("fitness", None)
         row.update({f"lr/pg{i}": g["lr"] for i, g in enumerate(self.optimizer.param_groups)})
-        row.update(zip(EXTRA_COLUMNS, (s.accumulate, s.effective_batch, s.weight_decay, images_per_second)))
+        accumulate, micro_batch = s.accumulate * self.engine.split, backoff.micro_batch(self.engine)  # after back-offs
+        row.update(zip(EXTRA_COLUMNS, (accumulate, s.effective_batch, s.weight_decay, images_per_second, micro_batch)))
         return row
 
     def save(self, epoch: int, best: bool, finished: bool) -> None:
@@ -302,6 +310,7 @@ class Trainer:
                 "scaler": self.engine.scaler.state_dict(),
                 "stopper": {"best_fitness": self.stopper.best_fitness, "best_epoch": self.stopper.best_epoch},
                 "skipped_windows": list(self.engine.skipped),
+                "back_offs": list(self.engine.back_offs),  # out-of-memory back-offs: the micro-batch stays halved
                 "ranks": [self._rank_state(), *self.rank_states[1:]],  # rank 0's as of now, after validation
             },
         }
@@ -351,6 +360,8 @@ class Trainer:
         self.best_fitness = ckpt["best_fitness"]
         self.metrics.update(ckpt.get("train_metrics") or {})
         self.engine.skipped = list(state["skipped_windows"])
+        self.engine.back_offs = list(state.get("back_offs", []))
+        self.engine.split = 2 ** len(self.engine.back_offs)
         self.position = (state["position"]["epoch"], state["position"]["batch"])
         for _ in range(self.position[0]):  # E2ELoss decays its one-to-many gain once per finished epoch
             self.loss.end_epoch()
@@ -370,9 +381,10 @@ def run(args: list[str]) -> dict[str, float]:
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
     devices = len(distributed.cuda_ids(cfg.device))
-    schedule_.check_batch(cfg.batch)
     if devices > 1 and "WORLD_SIZE" not in os.environ:
-        if cfg.batch % devices:  # checked once here, rather than in every rank torchrun would start
+        if (
+            not is_auto_batch(cfg.batch) and cfg.batch % devices
+        ):  # checked once here, rather than in every rank torchrun would start
             raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
         raise SystemExit(distributed.launch(args, cfg.device))  # several devices: one process each, via torchrun
     if (

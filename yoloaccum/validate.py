@@ -111,7 +111,7 @@ def run(args: list[str]) -> dict[str, Any]:
     """`yoloaccum val model=best.pt data=...`: print and return the metrics of a checkpoint."""
     cfg = config.resolve(args)
     if config.is_auto_batch(cfg.batch):
-        raise UserError(f"batch={cfg.batch} asks for AutoBatch, which yoloaccum does not support yet; give batch=N")
+        raise UserError(f"batch={cfg.batch} chooses a training micro-batch from memory; val needs batch=N")
     if not str(cfg.model).endswith(".pt"):
         raise UserError("val needs trained weights: give model=path/to/best.pt")
     ckpt = checkpoint.load(cfg.model, cfg.trust_weights)

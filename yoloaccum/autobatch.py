@@ -1,0 +1,167 @@
+"""batch=-1 or a fraction such as 0.7: the micro-batch from the device's memory, with nbs kept, so accumulate follows.
+
+Each rank measures its own device with yoloaccum's micro-step (forward, window loss, backward) on synthetic images,
+in the layout, precision and checkpointing it trains with, and fits memory against images as Ultralytics' AutoBatch
+does (ultralytics.utils.autobatch.autobatch: the probe sizes, a linear fit, a fraction of the free memory, at most
+1024); all ranks then take the smallest result, so the global batch divides over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from yoloaccum import distributed
+from yoloaccum.config import Config, is_auto_batch
+from yoloaccum.distributed import Context
+from yoloaccum.engine import model_input
+
+DEFAULT_FRACTION = 0.6  # batch=-1, as Ultralytics
+CPU_MICRO_BATCH = 16  # per device where there is no CUDA memory to measure: Ultralytics' default there
+MAX_MICRO_BATCH = 1024  # Ultralytics' cap
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The global micro-batch a run trains with, and why: what the run's first line and `plan` say."""
+
+    batch: int
+    reason: str
+
+
+def fraction_of(batch: float) -> float:
+    return batch if 0 < batch < 1 else DEFAULT_FRACTION
+
+
+def cpu_choice(cfg: Config, world_size: int) -> Choice:
+    """On the CPU there is no device memory to measure: Ultralytics' default, stated as such."""
+    return Choice(
+        CPU_MICRO_BATCH * world_size,
+        f"batch={cfg.batch:g} measures CUDA memory; on the CPU the micro-batch is {CPU_MICRO_BATCH} per device, as in "
+        f"Ultralytics (give batch=N to choose)",
+    )
+
+
+def choose(cfg: Config, ctx: Context, model: nn.Module, loss, amp: bool, max_objects: int, num_images: int) -> Choice:
+    """The global micro-batch for an AutoBatch config: measured on every rank's device, the smallest result taken."""
+    assert is_auto_batch(cfg.batch)
+    if ctx.device.type != "cuda":
+        return cpu_choice(cfg, ctx.world_size)
+    fraction = fraction_of(cfg.batch)
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    available = free + torch.cuda.memory_reserved(ctx.device)  # what this process holds is available to it
+    sizes = (1, 2, 4, 8, 16) if total < 16 * GIB else (1, 2, 4, 8, 16, 32, 64)
+    peaks = measure(model, loss, cfg.imgsz, amp, ctx.device, sizes, max_objects)
+    cap = max(1, min(MAX_MICRO_BATCH, num_images // ctx.world_size))
+    per_device, per_image, base = fit(peaks, fraction * available, cap)
+    mine = per_device
+    t = torch.tensor([per_device], device=ctx.device)
+    if ctx.world_size > 1:  # a sync point, once per run: every rank takes the smallest device's micro-batch
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    per_device = int(t.item())
+    reason = (f"batch={cfg.batch:g}: {fraction:.0%} of the {available / GIB:.1f} GiB free on {ctx.device} fits "
+              f"{mine} images ({per_image / 2**20:.0f} MiB per image above {base / GIB:.2f} GiB, measured with "
+              f"yoloaccum's micro-step at {cfg.imgsz} px{', AMP' if amp else ''}"
+              f"{', grad_checkpointing' if cfg.grad_checkpointing else ''})")  # fmt: skip
+    if ctx.world_size > 1:
+        reason += f"; the smallest of {ctx.world_size} devices: {per_device} per device"
+    return Choice(per_device * ctx.world_size, reason)
+
+
+def for_run(cfg: Config, ctx: Context, ckpt: dict | None, model: nn.Module, loss, amp: bool, dataset) -> Choice | None:
+    """The Trainer's choice: None for batch=N; on resume, the micro-batch the run chose when it began."""
+    if not is_auto_batch(cfg.batch):
+        return None
+    if ckpt is not None:
+        batch = ckpt["yoloaccum"]["schedule"]["batch"]
+        return Choice(batch, f"batch={cfg.batch:g}: {batch}, as the run chose when it began")
+    return choose(cfg, ctx, model, loss, amp, max_objects(dataset), len(dataset))
+
+
+def fit(peaks: dict[int, int], budget: float, cap: int) -> tuple[int, float, float]:
+    """Images per device whose peak memory, by a linear fit of the measured peaks, stays within budget bytes; never
+    above a size that ran out of memory, nor above cap. Returns (images, bytes per image, bytes at zero images)."""
+    ok = sorted((b, p) for b, p in peaks.items() if p is not None)
+    assert ok, "the smallest probe did not fit; measure() raises then"
+    per_image, base = np.polyfit(*zip(*ok), deg=1) if len(ok) > 1 else (ok[0][1], 0.0)
+    images = int((budget - base) / per_image) if per_image > 0 else cap
+    failed = [b for b, p in peaks.items() if p is None]
+    if failed:
+        images = min(images, min(failed) - 1)
+    return max(1, min(images, cap)), float(per_image), float(base)
+
+
+def measure(model: nn.Module, loss, imgsz: int, amp: bool, device: torch.device, sizes: tuple[int, ...],
+            max_objects: int) -> dict[int, int | None]:  # fmt: skip
+    """Peak bytes allocated by one micro-step at each size (None: out of memory, and no larger size is tried).
+
+    The micro-step is engine.Engine.micro_step's: model_input, forward and loss under autocast, backward. The model's
+    gradients and BatchNorm statistics are put back as they were: probing changes nothing the run computes."""
+    from yoloaccum.errors import UserError
+
+    buffers = [b.clone() for b in model.buffers()]
+    peaks: dict[int, int | None] = {}
+    for b in sizes:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            batch = synthetic_batch(b, imgsz, max_objects, device)
+            batch["img"] = model_input(batch["img"], device)
+            with torch.autocast(device.type, enabled=amp):
+                value = loss(model(batch["img"]), batch)[0]
+            value.backward()
+            peaks[b] = torch.cuda.max_memory_allocated(device)
+        except torch.OutOfMemoryError:
+            peaks[b] = None
+        model.zero_grad(set_to_none=True)
+        if peaks[b] is None:
+            break
+    for b, saved in zip(model.buffers(), buffers):
+        b.copy_(saved)
+    torch.cuda.empty_cache()
+    if peaks.get(sizes[0]) is None:
+        raise UserError(f"one image does not fit in {device}'s free memory; free the GPU, lower imgsz, or set "
+                        "grad_checkpointing=True")  # fmt: skip
+    return peaks
+
+
+def synthetic_batch(num_images: int, imgsz: int, max_objects: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """num_images random images with max_objects boxes each: the most the loss's assigner sees in one image."""
+    g = torch.Generator().manual_seed(0)
+    k = num_images * max_objects
+    xy, wh = torch.rand(k, 2, generator=g) * 0.6 + 0.2, torch.rand(k, 2, generator=g) * 0.2 + 0.05
+    return {
+        "img": torch.randint(0, 255, (num_images, 3, imgsz, imgsz), dtype=torch.uint8, generator=g),
+        "batch_idx": torch.arange(num_images).repeat_interleave(max_objects).float().to(device),
+        "cls": torch.zeros(k, 1, device=device),
+        "bboxes": torch.cat([xy, wh], 1).to(device),
+    }
+
+
+def max_objects(dataset) -> int:
+    """The most boxes one training image can hold: the dataset's most per image, times 4 for mosaic (as Ultralytics)."""
+    return max((len(label["cls"]) for label in dataset.labels), default=1) * 4 or 1
+
+
+def for_plan(cfg: Config, num_images: int, spec) -> Choice:
+    """`yoloaccum plan batch=-1`: the same measurement, in this process, on the first listed device; a run under DDP
+    measures every device and may take less. Without a dataset (images=N), each image gets 4 boxes (one, times 4
+    for mosaic)."""
+    from yoloaccum import data, loss, model
+
+    ctx = Context(0, 0, distributed.world_size(cfg.device), distributed.select_device(cfg.device))
+    if ctx.device.type != "cuda":
+        return cpu_choice(cfg, ctx.world_size)
+    raw = model.build(cfg, spec, announce=False).to(ctx.device)
+    if cfg.channels_last:
+        raw.to(memory_format=torch.channels_last)
+    if cfg.grad_checkpointing:
+        model.checkpoint_blocks(raw)
+    objects = max_objects(data.build_dataset(cfg.replace(batch=16), spec, "train")) if spec.train else 4
+    single = Context(0, 0, 1, ctx.device)
+    choice = choose(cfg, single, raw.train(), loss.WindowLoss(raw, cfg.norm), cfg.amp, objects, num_images)
+    return Choice(choice.batch * ctx.world_size, choice.reason + f"; {ctx.world_size} device(s)")
