@@ -42,7 +42,7 @@ clean:
 # Benchmarks write benchmarks/results*.{md,json}; `make test` runs only their reduced forms (tests/test_bench_smoke.py).
 bench-ddp: install
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py
-bench: install  # about 12 minutes on 2 CPU cores (docs/performance.md)
+bench: install  # its duration on 2 CPU cores: docs/performance.md
 	$(BIN)/python benchmarks/bench.py
 
 bench-smoke: install

@@ -27,6 +27,11 @@ def micro_steps(engine, ni: int, batch: dict[str, Any], last_in_window: bool) ->
     except torch.OutOfMemoryError:
         pass
     # Outside the except block: its traceback, whose frames hold the failed step's tensors, is gone.
+    if last_in_window and engine.ctx.world_size > 1:
+        raise UserError(  # DDP's reducer may have started all-reducing this backward's buckets: no way back
+            f"out of memory at iteration {ni}, in the backward that all-reduces the window's gradients, which cannot "
+            "run again; resume with grad_checkpointing=True or a smaller batch"
+        )
     window = engine.window_batches
     if window is None:
         raise UserError(

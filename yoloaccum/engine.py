@@ -135,8 +135,8 @@ class Engine:
         images, bad_losses, stop_votes, norm = torch.cat([c.images, c.non_finite_losses, c.stop_votes,
                                                           norm.float().reshape(1)]).tolist()  # sync  # fmt: skip
         finite = bad_losses == 0 and (self.amp or math.isfinite(norm))
+        optim.set_hyperparameters(self.optimizer, self.schedule, ni)  # also for a skipped step: schedule.csv logs it
         if finite or self.amp:
-            optim.set_hyperparameters(self.optimizer, self.schedule, ni)
             self.scaler.step(self.optimizer)  # with AMP, skips by itself when the gradients overflowed
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

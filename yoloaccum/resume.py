@@ -64,6 +64,11 @@ def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
     if extend and (not isinstance(given["epochs"], int) or given["epochs"] <= done):
         raise UserError(f"epochs={given['epochs']}: the run in {run} has done {done} epochs; to continue it, give "
                         f"epochs greater than {done}")  # fmt: skip
+    if "ranks" not in state:
+        raise UserError(
+            f"{path} was written by an earlier yoloaccum, which kept one set of random states for all ranks; finish "
+            f"it with that version, or start a new run with pretrained={path}"
+        )
     if state.get("finished") and not extend:
         raise UserError(f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
                         f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}")  # fmt: skip

@@ -310,7 +310,6 @@ class Trainer:
                 "scaler": self.engine.scaler.state_dict(),
                 "stopper": {"best_fitness": self.stopper.best_fitness, "best_epoch": self.stopper.best_epoch},
                 "skipped_windows": list(self.engine.skipped),
-                "back_offs": list(self.engine.back_offs),  # out-of-memory back-offs: the micro-batch stays halved
                 "ranks": [self._rank_state(), *self.rank_states[1:]],  # rank 0's as of now, after validation
             },
         }
@@ -321,9 +320,11 @@ class Trainer:
             plots.schedule(self.steps.file, self.run.path / "schedule.png")
 
     def _rank_state(self) -> dict[str, Any]:
-        """What each rank holds apart from the others: random states, mosaic buffer, its part of an open window."""
+        """What each rank holds apart from the others: random states, mosaic buffer, its part of an open window, and
+        the iterations where it ran out of memory (its micro-batch stays halved once for each)."""
         return {"rng": resume.rng_state(self.loader.generator), "open_window": self.engine.open_window(),
-                "mosaic_buffer": list(getattr(self.train_set, "buffer", []))}  # fmt: skip
+                "mosaic_buffer": list(getattr(self.train_set, "buffer", [])),
+                "back_offs": list(self.engine.back_offs)}  # fmt: skip
 
     def _gather_rank_states(self) -> None:
         """Every rank's _rank_state() to rank 0, for the next save. A collective: every rank calls it, at the point
@@ -345,6 +346,8 @@ class Trainer:
         elif rank == 0:  # the saved ranks' window, summed, goes to one rank: the all-reduce sums it with the rest
             self.engine.restore_window(merge_windows([r["open_window"] for r in ranks]))
         if mine is not None:
+            self.engine.back_offs = list(mine["back_offs"])
+            self.engine.split = 2 ** len(self.engine.back_offs)
             resume.restore_mosaic_buffer(self.train_set, mine["mosaic_buffer"])
             resume.restore_rng(mine["rng"], self.loader.generator)  # last: building the run consumed random numbers
 
@@ -360,8 +363,6 @@ class Trainer:
         self.best_fitness = ckpt["best_fitness"]
         self.metrics.update(ckpt.get("train_metrics") or {})
         self.engine.skipped = list(state["skipped_windows"])
-        self.engine.back_offs = list(state.get("back_offs", []))
-        self.engine.split = 2 ** len(self.engine.back_offs)
         self.position = (state["position"]["epoch"], state["position"]["batch"])
         for _ in range(self.position[0]):  # E2ELoss decays its one-to-many gain once per finished epoch
             self.loss.end_epoch()
