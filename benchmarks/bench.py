@@ -185,7 +185,7 @@ def main() -> None:
     steps = 4 if smoke else 16
     configs = ((micro, 64), (micro, micro), (64, 64))
     report["memory_mb"] = {f"batch={b} nbs={n}": peak_memory(models[0], imgsz, b, n, steps) for b, n in configs}
-    report["grad_checkpointing"] = grad_checkpointing(models[0], imgsz, 32, 2 if smoke else 8)
+    report["grad_checkpointing"] = grad_checkpointing(models[0], imgsz, 8 if smoke else 32, 2 if smoke else 8)
     report["accumulation"] = accumulation_overhead(models[0], imgsz, micro, pairs=2 if smoke else 12)
     report["data_pipeline_img_s"] = data_pipeline(data, imgsz, micro, 4 if smoke else 64)
     print(json.dumps(report, indent=1))
