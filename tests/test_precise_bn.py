@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, offline_env
+from conftest import EXACT, REPO, SERIAL, final_weights, offline_env, shapes_yaml
 
 from yoloaccum import precise_bn
 from yoloaccum.distributed import Context
@@ -95,3 +95,16 @@ def test_two_ranks_give_the_statistics_of_one_process(tmp_path):
     for (mean, var), layer in zip(two_ranks, precise_bn.bn_layers(single)):
         torch.testing.assert_close(mean, layer.running_mean, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(var, layer.running_var, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_training_is_the_same_with_and_without_precise_statistics(tmp_path, run_cli):
+    """The recompute reads and writes only the EMA's statistics, and draws no random number that training uses:
+    with augmentation on, the trained weights are bitwise those of precise_bn=0."""
+    data = shapes_yaml(tmp_path, num_train=24, num_val=4)
+    args = [a for a in EXACT if a.split("=")[0] not in {"mosaic", "fliplr", "hsv_h", "scale", "translate", "val"}]
+    for n in (0, 16):
+        r = run_cli("train", f"data={data}", f"project={tmp_path}", f"name=pbn{n}", *args, "batch=8", "nbs=16",
+                    f"precise_bn={n}", env=SERIAL, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert torch.equal(final_weights(tmp_path / "pbn0"), final_weights(tmp_path / "pbn16"))
