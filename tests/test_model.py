@@ -8,7 +8,7 @@ from conftest import REPO
 
 from yoloaccum import config
 from yoloaccum.loss import WindowLoss
-from yoloaccum.model import checkpoint_blocks
+from yoloaccum.model import checkpoint_blocks, checkpoint_units
 from yoloaccum.ultra import ultralytics_args
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -49,6 +49,8 @@ def test_a_copy_of_a_checkpointed_model_runs_its_own_blocks():
     model = yolo()
     checkpoint_blocks(model)
     copied = copy.deepcopy(model)  # what ModelEMA and validation do
-    assert all(c.forward.__self__ is c for c in copied.model)
+    units = [unit for block in copied.model for unit in checkpoint_units(block)]
+    assert len(units) > len(copied.model)  # the head's towers are units of their own
+    assert all(unit.forward.__self__ is unit for unit in units)
     with torch.no_grad():
         copied.eval()(torch.zeros(1, 3, 64, 64))

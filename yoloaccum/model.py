@@ -77,12 +77,27 @@ def checkpoint_blocks(model: nn.Module) -> None:
     """grad_checkpointing=True: each block of the model (model.model[i]) keeps only its input for backward and runs
     its forward again there, so a micro-batch holds a fraction of its activations, at the cost of a second forward.
 
+    The detection head is the exception: it runs a tower of convolutions per scale and per branch (one-to-many and,
+    in end-to-end heads, one-to-one), and together they save more for backward than any other block (a quarter of
+    yolo26n's activations). Each tower is checkpointed on its own instead, so backward recomputes one at a time.
+
     The forward is replaced on the instance, as a method bound to it, so that a deepcopy (the EMA, validation) runs
     its own copy; the state_dict and the checkpoints written are unchanged. Call it after the EMA is made: the EMA
     only evaluates and needs none of this.
     """
     for block in model.model:
-        block.forward = types.MethodType(_checkpointed_forward, block)
+        for unit in checkpoint_units(block):
+            unit.forward = types.MethodType(_checkpointed_forward, unit)
+
+
+def checkpoint_units(block: nn.Module) -> list[nn.Module]:
+    """The modules of a block that grad_checkpointing recomputes as units: the block, or a head's towers."""
+    from ultralytics.nn.modules.head import Detect
+
+    if not isinstance(block, Detect):
+        return [block]
+    towers = [child for child in block.children() if isinstance(child, nn.ModuleList)]
+    return [tower for towers_ in towers for tower in towers_]
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
