@@ -41,6 +41,7 @@ from common import (  # noqa: E402
 )
 
 median = statistics.median
+TINY_MODEL = HERE.parent / "tests/models/tiny26.yaml"  # compiles in seconds: for --smoke
 
 
 def command(function: str, *args, module: str = "common") -> list[str]:
@@ -49,10 +50,11 @@ def command(function: str, *args, module: str = "common") -> list[str]:
     return [sys.executable, "-c", code + f"print(json.dumps({module}.{function}(*{args!r})))"]
 
 
-def fresh(function: str, *args, module: str = "common"):
-    r = subprocess.run(command(function, *args, module=module), capture_output=True, text=True)
+def fresh(function: str, *args, module: str = "common", env: dict[str, str] | None = None):
+    env = {**os.environ, **env} if env else None
+    r = subprocess.run(command(function, *args, module=module), capture_output=True, text=True, env=env)
     if r.returncode:
-        raise RuntimeError(f"{function}{args} failed:\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"{function}{args} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -159,6 +161,59 @@ def grad_checkpointing(model: str, imgsz: int, batch: int, steps: int) -> dict:
     return out
 
 
+COMPILE_CONTENDERS = {  # (h): name -> the function run in a fresh process, and its arguments after the work
+    "eager": ("yoloaccum_compiled", False),
+    "static": ("yoloaccum_compiled", True, False),  # one graph per micro-batch size: what compile=True does
+    "dynamic": ("yoloaccum_compiled", True, True),  # one graph with a dynamic batch dimension
+    "ultralytics_eager": ("ultralytics_images_per_second", False),
+    "ultralytics_compiled": ("ultralytics_images_per_second", True),
+}
+
+
+def compiled_against_eager(model: str, data: str, imgsz: int, epochs: int, fraction: float, repeats: int,
+                           contenders=tuple(COMPILE_CONTENDERS), cold: bool = True) -> dict:  # fmt: skip
+    """(h) compile=True: yoloaccum eager, compiled with one graph per batch size (static) and with a dynamic batch
+    size, and Ultralytics eager and compiled, on the same work, back to back in each repeat, each in a fresh process
+    and, when cold, with an empty inductor cache (a first compile, as on a new machine). Images/s of the last epoch;
+    the compile time (Ultralytics compiles inside its first epoch: its first epoch's time less its last's); and after
+    how many epochs compiling pays off. `fraction` leaves a short last micro-batch, which yoloaccum trains and
+    Ultralytics, compiled, drops. A contender that fails (a tracing strategy inductor cannot compile) is reported
+    with its reason."""
+    runs, failed = {name: [] for name in contenders}, {}
+    trained = (model, data, imgsz, epochs, fraction)
+    for _ in range(repeats):
+        for name in contenders:
+            function, *how = COMPILE_CONTENDERS[name]
+            env = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp()} if cold else None
+            if name in failed:
+                continue
+            try:
+                runs[name].append(fresh(function, *trained, *how, env=env))
+            except RuntimeError as e:
+                lines = str(e).splitlines()
+                failed[name] = next((x for x in lines if x.startswith("warning: compile=")), lines[-1])[:400]
+            print(f"(h) {name}: {runs[name][-1] if runs[name] else failed[name]}", file=sys.stderr, flush=True)
+    images = runs["eager"][0]["images"]
+    for r in runs.get("ultralytics_compiled", []):  # its compile time: its first epoch's time beyond a steady one's
+        first, last = r["epochs_img_s"][0], r["epochs_img_s"][-1]
+        r["compile_s"] = max(images / first - images / last, 0.0)
+    out = {name: {"img_s": median(r["img_s"] for r in rs), "compile_s": median(r.get("compile_s", 0.0) for r in rs)}
+           if rs else {"failed": failed[name]} for name, rs in runs.items()}  # fmt: skip
+    eager = [r["img_s"] for r in runs["eager"]]
+    for name in ("static", "dynamic"):
+        ours = [r["img_s"] for r in runs.get(name, [])]
+        if not ours:
+            continue
+        out[name]["vs_eager"] = median(o / e for o, e in zip(ours, eager))
+        if runs.get("ultralytics_compiled"):
+            out[name]["vs_ultralytics_compiled"] = median(
+                o / u["img_s"] for o, u in zip(ours, runs["ultralytics_compiled"]))  # fmt: skip
+        saved = images / out["eager"]["img_s"] - images / out[name]["img_s"]  # seconds an epoch
+        out[name]["pays_off_after_epochs"] = out[name]["compile_s"] / saved if saved > 0 else None
+    out.update(model=model, imgsz=imgsz, images_per_epoch=images, epochs=epochs, repeats=repeats, cold=cold, runs=runs)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a few iterations of each, to check the scripts run")
@@ -188,6 +243,11 @@ def main() -> None:
     report["grad_checkpointing"] = grad_checkpointing(models[0], imgsz, 8 if smoke else 32, 2 if smoke else 8)
     report["accumulation"] = accumulation_overhead(models[0], imgsz, micro, pairs=2 if smoke else 12)
     report["data_pipeline_img_s"] = data_pipeline(data, imgsz, micro, 4 if smoke else 64)
+    if smoke:  # the tiny model of tests/test_compile.py on its shapes (8 and 4), whose compiled graphs it shares
+        report["compile"] = compiled_against_eager(str(TINY_MODEL), data, imgsz, 2, 0.92, 1, ("eager", "static"),
+                                                   cold=False)  # fmt: skip
+    else:  # a cold compile of yolo26n takes minutes on two cores: one repeat
+        report["compile"] = compiled_against_eager(models[0], data, imgsz, 2, 0.99, 1)
     print(json.dumps(report, indent=1))
     if not smoke:
         (HERE / "results.json").write_text(json.dumps(report, indent=1))
@@ -235,7 +295,29 @@ def markdown(r: dict) -> str:
                      f"{row['added_mb']:.0f} | {row['img_s']:.1f} |")  # fmt: skip
     lines += ["", f"grad_checkpointing: {g['added_ratio']:.2f}x the memory training adds at micro-batch {g['batch']}, "
               f"at {g['speed_ratio']:.2f}x the images/s."]  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + compile_markdown(r["compile"])) + "\n"
+
+
+def compile_markdown(h: dict) -> list[str]:
+    """(h) as a table: images/s of the last epoch, compile time, ratios and the epochs after which it pays."""
+    lines = ["", f"compile=True ({h['model']}, {h['imgsz']} px, {h['images_per_epoch']} images an epoch, the last "
+             f"micro-batch short; {h['epochs']} epochs, images/s of the last; {h['repeats']} repeat(s); "
+             f"{'a cold inductor cache' if h['cold'] else 'a warm inductor cache'}):", "",
+             "| run | img/s | compile s | vs eager | vs Ultralytics compiled | pays off after (epochs) |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name in ("eager", "static", "dynamic", "ultralytics_eager", "ultralytics_compiled"):
+        row = h.get(name)
+        if row is None:
+            continue
+        if "failed" in row:
+            lines.append(f"| {name} | failed: {row['failed']} | | | | |")
+            continue
+        pays = row.get("pays_off_after_epochs", "")
+        pays = "never (slower)" if name in ("static", "dynamic") and pays is None else pays
+        pays = f"{pays:.1f}" if isinstance(pays, float) else pays
+        ratios = [f"{row[k]:.2f}x" if k in row else "" for k in ("vs_eager", "vs_ultralytics_compiled")]
+        lines.append(f"| {name} | {row['img_s']:.1f} | {row['compile_s']:.0f} | {ratios[0]} | {ratios[1]} | {pays} |")
+    return lines
 
 
 if __name__ == "__main__":

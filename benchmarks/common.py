@@ -188,23 +188,54 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
             "workers": workers}  # fmt: skip
 
 
-def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float) -> dict:
-    """Ultralytics' own trainer (YOLO.train) on the same settings: images/s of its last epoch's batch loop.
+def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float,
+                                  compile: bool = False) -> dict:  # fmt: skip
+    """Ultralytics' own trainer (YOLO.train) on the same settings: images/s of its last epoch's batch loop, and of
+    each epoch ("epochs_img_s"), counting the images it trained (with compile=True it drops each epoch's last batch).
 
     Also what it ran with: on the CPU its trainer sets workers=0 and torch's threads to cores - 1, whatever it is told.
     """
     from ultralytics import YOLO
 
-    marks = {}
+    marks, epoch_img_s = {}, []
 
     def epoch_end(t):
-        marks.update(end=time.perf_counter(), images=len(t.train_loader.dataset), workers=t.train_loader.num_workers)
-        marks["threads"] = torch.get_num_threads()
+        loader = t.train_loader
+        dropped = getattr(loader.batch_sampler, "drop_last", False)
+        images = len(loader) * loader.batch_size if dropped else len(loader.dataset)
+        epoch_img_s.append(images / (time.perf_counter() - marks["start"]))
+        marks.update(workers=loader.num_workers, threads=torch.get_num_threads())
 
     yolo = YOLO(model)
     yolo.add_callback("on_train_epoch_start", lambda t: marks.__setitem__("start", time.perf_counter()))
     yolo.add_callback("on_train_epoch_end", epoch_end)
     yolo.train(**TRAIN_ARGS, data=data, imgsz=imgsz, epochs=epochs, fraction=fraction, project=tempfile.mkdtemp(),
-               name="bench", pretrained=False, verbose=False)  # fmt: skip
-    img_s = marks["images"] / (marks["end"] - marks["start"])
-    return {"img_s": img_s, "threads": marks["threads"], "workers": marks["workers"]}
+               name="bench", pretrained=False, verbose=False, compile=compile)  # fmt: skip
+    return {"img_s": epoch_img_s[-1], "epochs_img_s": epoch_img_s, "threads": marks["threads"],
+            "workers": marks["workers"]}  # fmt: skip
+
+
+def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction: float, compile: bool,
+                       dynamic: bool = False) -> dict:  # fmt: skip
+    """yoloaccum's trainer as `yoloaccum train` runs it, eager or with compile=True (one graph per batch size, or
+    with dynamic, one with a dynamic batch size): images/s of each epoch as results.csv has them, and the compile
+    time, which the trainer spends before its first epoch."""
+    from yoloaccum import compiler, trainer
+
+    compiler.DYNAMIC = dynamic
+    args = {**TRAIN_ARGS, "model": model, "data": data, "imgsz": imgsz, "epochs": epochs, "fraction": fraction,
+            "compile": compile}  # fmt: skip
+    cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + ["verbose=False", f"project={tempfile.mkdtemp()}"])
+    img_s = []
+
+    class Recorded(trainer.Trainer):
+        def end_epoch(self, epoch: int, images_per_second: float) -> str | None:
+            img_s.append(images_per_second)
+            return super().end_epoch(epoch, images_per_second)
+
+    run = Recorded(cfg)
+    run.train()
+    if compile and run.compiled is None:
+        raise RuntimeError("compile=True fell back to eager, with the warning printed above")
+    return {"img_s": img_s[-1], "epochs_img_s": img_s, "compile_s": run.compiled.seconds if compile else 0.0,
+            "images": len(run.train_set)}  # fmt: skip

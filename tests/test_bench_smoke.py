@@ -22,6 +22,9 @@ def test_bench_smoke_produces_every_figure():
     assert report["accumulation"]["seconds_per_image_acc1"] > 0 and report["data_pipeline_img_s"] > 0
     checkpointing = report["grad_checkpointing"]
     assert checkpointing["added_ratio"] > 0 and checkpointing["speed_ratio"] > 0
+    compiled = report["compile"]  # trained compiled, on the tiny model: no fallback to eager
+    assert compiled["static"]["img_s"] > 0 and compiled["static"]["vs_eager"] > 0 and compiled["eager"]["img_s"] > 0
+    assert "| static |" in r.stdout
 
 
 def test_bench_ddp_quick_counts_one_all_reduce_per_window():

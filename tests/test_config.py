@@ -150,7 +150,7 @@ USED_AS_ULTRALYTICS = (
     "cos_lr", "close_mosaic", "resume", "amp", "fraction", "channels_last", "val", "split", "conf", "iou", "max_det",
     "plots", "source", "lr0", "lrf", "momentum", "weight_decay", "warmup_epochs", "warmup_momentum",
     "warmup_bias_lr", "box", "cls", "dfl", "nbs", "hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
-    "perspective", "flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix",
+    "perspective", "flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix", "compile",
 )  # fmt: skip
 IGNORED = {
     "other tasks and modes": ("task", "mode", "cls_remap", "overlap_mask", "mask_ratio", "pose", "kobj", "rle",
@@ -160,7 +160,7 @@ IGNORED = {
                                             "show", "save_frames", "save_txt", "save_conf", "save_crop", "show_labels",
                                             "show_conf", "show_boxes", "line_width", "format", "optimize", "dynamic",
                                             "simplify", "opset", "workspace"),
-    "training features yoloaccum does not have": ("time", "rect", "profile", "freeze", "multi_scale", "compile",
+    "training features yoloaccum does not have": ("time", "rect", "profile", "freeze", "multi_scale",
                                                   "dropout", "cls_pw", "copy_paste", "copy_paste_mode",
                                                   "auto_augment", "erasing"),
     "the recipe itself (cfg= names it)": ("cfg",),

@@ -37,6 +37,7 @@ CHOICES = {
     "split": ("val", "test"),
     "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop"),
 }
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # compile= a string
 _ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Config keeps the spelling above
 _POSITIVE = {"epochs", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf", "ddp_timeout"}
 _NON_NEGATIVE = {
@@ -238,6 +239,8 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
 def _check_range(k: str, v: Any) -> None:
     if k in CHOICES and v not in CHOICES[k]:
         raise UserError(f"{k}={v} is not one of {', '.join(CHOICES[k])}")
+    if k == "compile" and isinstance(v, str) and v not in COMPILE_MODES:
+        raise UserError(f"compile={v} is not True, False or a mode: {', '.join(COMPILE_MODES)}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return
     if k == "batch":

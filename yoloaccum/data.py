@@ -139,6 +139,16 @@ class EpochBatchSampler(Sampler[list[int]]):
             yield global_batch[cuts[self.rank] : cuts[self.rank + 1]]
 
 
+def micro_batch_sizes(num_images: int, micro_batch: int, world_size: int) -> tuple[int, ...]:
+    """Every size of micro-batch that EpochBatchSampler gives any rank in an epoch, largest first: the micro-batch,
+    and each rank's share of a short last global batch."""
+    batch = micro_batch * world_size
+    sizes = {micro_batch} if num_images >= batch else set()
+    last = num_images % batch
+    sizes |= {last * (r + 1) // world_size - last * r // world_size for r in range(world_size)} if last else set()
+    return tuple(sorted(sizes, reverse=True))
+
+
 def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32, augment: bool = True) -> Dataset:
     """Ultralytics' YOLODataset with its augmentations, as Ultralytics' build_yolo_dataset makes it for training
     (augment=False: letterboxed only, as inference sees images); it also keeps what the label scan found."""

@@ -32,6 +32,7 @@ MAY_CHANGE = {
     "cache",
     "save_period",
     "grad_checkpointing",  # the same gradients, recomputed: a run that ran out of memory may resume with it
+    "compile",  # the same model, compiled: equal to float rounding, as after a change of device
     "project",
     "name",
     "exist_ok",

@@ -19,7 +19,19 @@ from typing import Any
 
 import torch
 
-from yoloaccum import autobatch, backoff, checkpoint, data, distributed, loss, optim, plots, precise_bn, resume
+from yoloaccum import (
+    autobatch,
+    backoff,
+    checkpoint,
+    compiler,
+    data,
+    distributed,
+    loss,
+    optim,
+    plots,
+    precise_bn,
+    resume,
+)
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, is_auto_batch, resolve
@@ -79,7 +91,7 @@ class Trainer:
                 (self.run.path / "args.yaml").write_text(cfg.to_yaml())  # the run's settings now: its new epochs
         self.loader = self._loader()
         self.engine = Engine(
-            model=distributed.wrap(self.raw_model, self.ctx, cfg.bn),
+            model=distributed.wrap(self.raw_model, self.ctx, cfg.bn),  # SyncBatchNorm, if any, before compiling
             raw_model=self.raw_model,
             loss=self.loss,
             optimizer=optim.build_optimizer(self.raw_model, self.schedule),
@@ -109,8 +121,31 @@ class Trainer:
         self.steps = StepLog(self.run.path) if self.run else None
         self.plot_at = plots.train_batch_indices(self.schedule, cfg.close_mosaic) if cfg.plots else frozenset()
         self.rank_states: list[dict] | None = None  # on rank 0, every rank's, gathered before each save
+        self.compiled: compiler.Compiled | None = None  # compile=: compiled at the start of train()
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
+
+    def _compile(self) -> compiler.Compiled | None:
+        """compile=: the forward compiled, before the first epoch, for every micro-batch size the loader gives any
+        rank (the same on all, so collectives inside the forward, such as SyncBatchNorm's, stay matched)."""
+        say = self.run.console.print if self.run else (lambda message: None)
+        sizes = data.micro_batch_sizes(len(self.train_set), self.schedule.micro_batch, self.ctx.world_size)
+        mode = compiler.mode_of(self.cfg.compile)
+        say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
+        rng = resume.rng_state(None)  # compiling draws no training random numbers: make sure of it
+        compiled = compiler.compile_model(
+            self.raw_model,
+            mode,
+            sizes,
+            self.cfg.imgsz,
+            self.ctx.device,
+            self.engine.amp,
+            warn=lambda line: say(f"[yellow]warning:[/] {line}"),
+        )
+        resume.restore_rng(rng, None)
+        if compiled:
+            say(f"compile: {compiled.describe()}")
+        return compiled
 
     def _loader(self):
         s = self.schedule
@@ -126,6 +161,8 @@ class Trainer:
                               min(cfg.precise_bn, len(self.train_set)), self.batch_choice)  # fmt: skip
             if cfg.plots and self.position == (0, 0):
                 plots.labels(self.train_set, self.spec.names, self.run.path)
+        if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
+            self.compiled = self._compile()
         self.train_start = time.perf_counter()
         bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
         with GracefulStop() as stop_signal, frozen_heap(), bounded:

@@ -1,0 +1,149 @@
+"""compile=: the compiled model trains as the eager one, the short last micro-batch included, without recompiling
+during training; checkpoints stay plain; resume works; a missing or failing compiler falls back to eager.
+
+The model is tests/models/tiny26.yaml, a cut-down YOLO26 that inductor compiles in under a minute on two cores
+(yolo26n takes several). Every test compiles the same graphs (micro-batches of 8 and 4 at 64 px, 4 classes), so after
+the first, inductor's on-disk cache answers. The speed-up itself is measured by `make bench` (section h), not here.
+"""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
+
+from yoloaccum import compiler, config, data
+from yoloaccum.errors import UserError
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import CTX, engine_for, make_batches  # noqa: E402
+
+TINY = str(REPO / "tests/models/tiny26.yaml")
+# 20 images at batch 8: micro-batches of 8, 8 and a short one of 4, which yoloaccum trains rather than drops.
+RUN = ("model=" + TINY, "imgsz=64", "batch=8", "nbs=16", "workers=0", "plots=False", "exist_ok=True", "compile=True",
+       "warmup_epochs=0", "seed=0", "deterministic=True")  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "mode"), [(False, None), (True, "default"), ("max-autotune", "max-autotune")])
+def test_compile_takes_ultralytics_values(value, mode):
+    cfg = config.resolve(overrides={"compile": value})
+    assert compiler.mode_of(cfg.compile) == mode
+
+
+def test_an_unknown_compile_mode_is_refused():
+    with pytest.raises(UserError, match="compile=fast is not True, False or a mode: default, reduce-overhead"):
+        config.resolve(["compile=fast"])
+
+
+@pytest.mark.parametrize(("images", "micro", "world", "sizes"), [
+    (20, 8, 1, (8, 4)),  # a short last micro-batch
+    (24, 8, 1, (8,)),  # none
+    (42, 8, 2, (8, 5)),  # the last global batch of 10 split over 2 ranks
+    (43, 8, 2, (8, 6, 5)),  # 11: 5 and 6
+    (5, 8, 1, (5,)),  # fewer images than one micro-batch
+])  # fmt: skip
+def test_micro_batch_sizes_are_those_the_sampler_gives(images, micro, world, sizes):
+    assert data.micro_batch_sizes(images, micro, world) == sizes
+    given = set()
+    for rank in range(world):
+        sampler = data.EpochBatchSampler(images, micro * world, rank, world)
+        given |= {len(b) for b in sampler}
+    assert given == set(sizes)
+
+
+def test_a_compiled_window_equals_the_eager_one_and_compiling_changes_nothing():
+    """One window of a full and a short micro-batch: the same step to float tolerance, BatchNorm statistics and EMA
+    included. And the warm-up that compiles leaves the weights, buffers and gradients as they were."""
+    eager = engine_for(TINY, 64, batch=8, nbs=16, num_batches=2)
+    compiled = engine_for(TINY, 64, batch=8, nbs=16, num_batches=2)
+    state = copy.deepcopy(compiled.raw_model.state_dict())
+    done = compiler.compile_model(compiled.raw_model, "default", (8, 4), 64, CTX.device, False, warn=pytest.fail)
+    assert done is not None and done.batch_sizes == (8, 4)
+    for k, v in compiled.raw_model.state_dict().items():
+        assert torch.equal(v, state[k]), f"compiling changed {k}"
+    assert all(p.grad is None for p in compiled.raw_model.parameters())
+
+    batches = [make_batches(1, 8, 64, seed=1)[0], make_batches(1, 4, 64, seed=2)[0]]
+    for engine in (eager, compiled):
+        engine.train_epoch(0, [dict(b) for b in batches])
+        assert [r.micro_batches for r in engine.history] == [2]  # one step, after both
+    for name, a, b in (("weights", eager.raw_model, compiled.raw_model), ("ema", eager.ema.ema, compiled.ema.ema)):
+        for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=f"{name} {k}")
+
+
+def test_compiled_training_through_the_cli(tmp_path: Path, run_cli):
+    """Trains every image (the short micro-batch too) without recompiling after the warm-up, writes plain weights
+    that Ultralytics opens, reports the compile time on its own, and resumes to the uninterrupted run's weights."""
+    from ultralytics import YOLO
+
+    data_yaml = shapes_yaml(tmp_path, num_train=20, num_val=4)
+    common = (f"data={data_yaml}", f"project={tmp_path}", "epochs=2", *RUN)
+    # TORCH_LOGS=recompiles: dynamo says each time it compiles a graph again. The warm-up compiles 8, then 4.
+    r = run_cli("train", *common, "name=whole", env={**SERIAL, "TORCH_LOGS": "recompiles"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compile: compiled (default, one graph per batch size) for micro-batches of 8 and 4 in" in r.stdout
+    assert r.stderr.count("Recompiling function") == 1, r.stderr[-3000:]
+    assert "expected 8, actual 4" in r.stderr
+    steps = (tmp_path / "whole/schedule.csv").read_text().splitlines()
+    assert sum(int(line.split(",")[3]) for line in steps[1:]) == 40  # images stepped over: 2 epochs of 20
+    assert steps[0].split(",")[3] == "effective_batch"
+
+    best = torch.load(tmp_path / "whole/weights/best.pt", weights_only=False)
+    assert not any("_orig_mod" in k for k in best["model"].state_dict())
+    results = YOLO(str(tmp_path / "whole/weights/best.pt")).predict(torch.zeros(1, 3, 64, 64), verbose=False)
+    assert len(results) == 1
+
+    stopped = run_cli("train", *common, "name=resumed", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@3"}, timeout=600)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    last = tmp_path / "resumed/weights/last.pt"
+    resumed = run_cli("train", f"resume={last}", env=SERIAL, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "compile: compiled" in resumed.stdout
+    # The resumed process compiles the same graphs again (from inductor's cache): the same kernels, bitwise.
+    assert torch.equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "whole"))
+
+
+@pytest.mark.parametrize("compiler_kind", ["missing", "failing"])
+def test_without_a_working_compiler_the_run_trains_eager_with_one_warning(tmp_path: Path, run_cli, compiler_kind):
+    """No C++ compiler at all; or one that answers --version and fails every compilation, which inductor only finds
+    out while compiling (an empty cache, so that nothing compiled earlier is reused)."""
+    if compiler_kind == "missing":
+        cxx = tmp_path / "no-such-compiler"
+    else:
+        cxx = tmp_path / "g++"
+        cxx.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "g++ (fake) 12.0"; exit 0; fi\n'
+                       'echo "fake g++: cannot compile" >&2; exit 1\n')  # fmt: skip
+        cxx.chmod(0o755)
+    data_yaml = shapes_yaml(tmp_path, num_train=20, num_val=4)
+    env = {"CXX": str(cxx), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    r = run_cli("train", f"data={data_yaml}", f"project={tmp_path}", "name=eager", "epochs=1", "val=False", *RUN,
+                env=env, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    warnings = [line for line in r.stdout.splitlines() if line.startswith("warning: compile=default")]
+    assert len(warnings) == 1, r.stdout
+    assert warnings[0].endswith("training without compilation")
+    assert ("no C++ compiler" in warnings[0]) == (compiler_kind == "missing")
+    assert "compile: compiled" not in r.stdout
+    assert (tmp_path / "eager/weights/last.pt").exists()
+
+
+@pytest.mark.slow
+def test_two_compiled_ranks_end_where_two_eager_ranks_do(tmp_path: Path):
+    """Under torchrun (gloo): DDP around the compiled model, no_sync on all but a window's last micro-batch. Global
+    batch 16 on 2 ranks: micro-batches of 8, and of 4 at the end of the epoch, the graphs compiled above."""
+    data_yaml = shapes_yaml(tmp_path, num_train=40, num_val=4)
+    for compile_ in (False, True):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "yoloaccum",
+               "train", f"data={data_yaml}", f"project={tmp_path}", f"name=compile_{compile_}", "epochs=1",
+               "val=False", *RUN, "batch=16", "nbs=32", f"compile={compile_}"]  # fmt: skip
+        r = subprocess.run(cmd, cwd=REPO, env=offline_env(SERIAL), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    difference = relative_difference(
+        final_weights(tmp_path / "compile_True"), final_weights(tmp_path / "compile_False")
+    )
+    print(f"2 compiled ranks vs 2 eager ranks: {difference:.2e} relative")
+    assert difference <= 1e-5

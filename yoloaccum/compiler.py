@@ -1,0 +1,129 @@
+"""compile=: torch.compile (inductor) of the model's forward, the part of a micro-step that runs on fixed shapes.
+
+What is compiled: the training model's forward, and with it the backward that AOTAutograd derives from it. The loss
+is not: its target assignment works on as many boxes as each micro-batch holds, so its shapes change every time
+(dynamo would recompile or break its graph). Validation runs the EMA, uncompiled (docs/performance.md says why).
+
+Shapes: training images all have imgsz × imgsz pixels, so only the batch dimension varies: the micro-batch, and the
+shorter last micro-batch of an epoch, which yoloaccum trains rather than drops. `dynamic=False` compiles one graph
+per size and `dynamic=True` one graph with a symbolic batch dimension; both are compiled up front, before the first
+epoch, so that the compile time is reported on its own and no micro-batch recompiles in the middle of a window.
+
+The compiled forward is installed on the module itself (nn.Module.compile), so the parameters, the state_dict and
+the checkpoints are those of the plain model, and DDP, no_sync and the EMA see the module they would see in eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# One graph per micro-batch size (False), or one with a dynamic batch dimension (True): see docs/performance.md for
+# the measurement that chose it. A module setting rather than a key: users choose a mode, not a tracing strategy.
+DYNAMIC = False
+
+
+def mode_of(value: bool | str) -> str | None:
+    """Ultralytics' meaning of compile=: False off, True "default", or a torch.compile mode name (config checks it)."""
+    return "default" if value is True else value or None
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A model whose forward was compiled and warmed up: the mode, the batch sizes compiled, and how long it took."""
+
+    mode: str
+    dynamic: bool
+    batch_sizes: tuple[int, ...]
+    seconds: float
+
+    def describe(self) -> str:
+        sizes = " and ".join(map(str, self.batch_sizes))
+        shape = "one graph with a dynamic batch size" if self.dynamic else "one graph per batch size"
+        return f"compiled ({self.mode}, {shape}) for micro-batches of {sizes} in {self.seconds:.1f} s"
+
+
+def compile_model(model: nn.Module, mode: str, batch_sizes: Iterable[int], imgsz: int, device: torch.device,
+                  amp: bool, warn: Callable[[str], None], dynamic: bool | None = None) -> Compiled | None:  # fmt: skip
+    """Compile model's forward in place and compile every graph training will need, on blank images of each size.
+
+    Returns None, with one warning, when the backend is missing or compilation fails: the model is left eager and
+    unchanged (its BatchNorm statistics and gradients too). A failure of the warm-up that is not the compiler's,
+    such as running out of memory, is not caught.
+    """
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    missing = missing_backend(device)
+    if missing:
+        warn(f"compile={mode}: {missing}; training without compilation")
+        return None
+    sizes = tuple(sorted(set(batch_sizes), reverse=True))
+    dynamic = DYNAMIC if dynamic is None else dynamic
+    if device.type == "cpu":  # a CUDA build of torch says, at its first compile, that there is no CUDA: we know
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    model.compile(mode=mode, backend="inductor", dynamic=dynamic)
+    start = time.perf_counter()
+    try:
+        for size in sizes:
+            warm_up(model, size, imgsz, device, amp)
+    except (TorchDynamoException, InductorError) as e:
+        model._compiled_call_impl = None  # undoes nn.Module.compile: calls go to the eager forward again
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warn(f"compile={mode} failed ({type(e).__name__}: {reason[:200]}); training without compilation")
+        return None
+    return Compiled(mode, dynamic, sizes, time.perf_counter() - start)
+
+
+def missing_backend(device: torch.device) -> str | None:
+    """Why inductor cannot compile for this device (no C++ compiler on the CPU, no Triton on CUDA), or None."""
+    try:
+        if device.type == "cpu":
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        elif device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                return "no working Triton for this GPU"
+    except (RuntimeError, OSError) as e:  # get_cpp_compiler raises RuntimeError when no compiler runs
+        return f"no C++ compiler for inductor ({str(e).strip().splitlines()[0][:120]})"
+    return None
+
+
+def warm_up(model: nn.Module, batch: int, imgsz: int, device: torch.device, amp: bool) -> None:
+    """One forward and backward of `batch` blank images, which compiles both graphs for that size. The model's
+    buffers (BatchNorm's running statistics) and gradients are put back as they were, also when compiling the
+    backward fails after the forward ran."""
+    buffers = [b.clone() for b in model.buffers()]
+    grads = [p.grad for p in model.parameters()]  # an open window's, on resume: set aside, not added to
+    for p in model.parameters():
+        p.grad = None
+    try:
+        img = torch.zeros(batch, 3, imgsz, imgsz, device=device)  # NCHW, as the engine feeds them (model_input)
+        with torch.autocast(device.type, enabled=amp):
+            out = model(img)
+        tensors = [t for t in _tensors(out) if t.requires_grad]
+        torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
+    finally:
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    return []
