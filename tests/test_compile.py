@@ -107,26 +107,30 @@ def test_compiled_training_through_the_cli(tmp_path: Path, run_cli):
     assert torch.equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "whole"))
 
 
-@pytest.mark.parametrize("compiler_kind", ["missing", "failing"])
-def test_without_a_working_compiler_the_run_trains_eager_with_one_warning(tmp_path: Path, run_cli, compiler_kind):
-    """No C++ compiler at all; or one that answers --version and fails every compilation, which inductor only finds
-    out while compiling (an empty cache, so that nothing compiled earlier is reused)."""
-    if compiler_kind == "missing":
-        cxx = tmp_path / "no-such-compiler"
+@pytest.mark.parametrize("case", ["no compiler", "failing compiler", "grad_checkpointing"])
+def test_where_compiling_cannot_work_the_run_trains_eager_with_one_warning(tmp_path: Path, run_cli, case):
+    """No C++ compiler at all; one that answers --version and fails every compilation, which inductor only finds out
+    while compiling (an empty cache, so that nothing compiled earlier is reused); or grad_checkpointing, whose
+    checkpoints dynamo cannot trace."""
+    env, extra = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}, ()
+    if case == "no compiler":
+        env["CXX"] = str(tmp_path / "no-such-compiler")
+    elif case == "failing compiler":
+        env["CXX"] = str(tmp_path / "g++")
+        Path(env["CXX"]).write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "g++ (fake) 12.0"; exit 0; fi\n'
+                                    'echo "fake g++: cannot compile" >&2; exit 1\n')  # fmt: skip
+        Path(env["CXX"]).chmod(0o755)
     else:
-        cxx = tmp_path / "g++"
-        cxx.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "g++ (fake) 12.0"; exit 0; fi\n'
-                       'echo "fake g++: cannot compile" >&2; exit 1\n')  # fmt: skip
-        cxx.chmod(0o755)
+        extra = ("grad_checkpointing=True",)
     data_yaml = shapes_yaml(tmp_path, num_train=20, num_val=4)
-    env = {"CXX": str(cxx), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
     r = run_cli("train", f"data={data_yaml}", f"project={tmp_path}", "name=eager", "epochs=1", "val=False", *RUN,
-                env=env, timeout=600)  # fmt: skip
+                *extra, env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     warnings = [line for line in r.stdout.splitlines() if line.startswith("warning: compile=default")]
     assert len(warnings) == 1, r.stdout
     assert warnings[0].endswith("training without compilation")
-    assert ("no C++ compiler" in warnings[0]) == (compiler_kind == "missing")
+    reason = {"no compiler": "no C++ compiler", "failing compiler": "failed (", "grad_checkpointing": "grad_check"}
+    assert reason[case] in warnings[0]
     assert "compile: compiled" not in r.stdout
     assert (tmp_path / "eager/weights/last.pt").exists()
 

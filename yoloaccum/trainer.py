@@ -129,19 +129,20 @@ class Trainer:
         """compile=: the forward compiled, before the first epoch, for every micro-batch size the loader gives any
         rank (the same on all, so collectives inside the forward, such as SyncBatchNorm's, stay matched)."""
         say = self.run.console.print if self.run else (lambda message: None)
-        sizes = data.micro_batch_sizes(len(self.train_set), self.schedule.micro_batch, self.ctx.world_size)
+
+        def warn(line: str) -> None:
+            say(f"[yellow]warning:[/] {line}")
+
         mode = compiler.mode_of(self.cfg.compile)
+        if self.cfg.grad_checkpointing:  # dynamo cannot trace its checkpoints, which restore BatchNorm's buffers
+            warn(f"compile={mode} does not combine with grad_checkpointing=True (torch.compile cannot trace its "
+                 "checkpoints); training without compilation")  # fmt: skip
+            return None
+        sizes = data.micro_batch_sizes(len(self.train_set), self.schedule.micro_batch, self.ctx.world_size)
         say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
         rng = resume.rng_state(None)  # compiling draws no training random numbers: make sure of it
-        compiled = compiler.compile_model(
-            self.raw_model,
-            mode,
-            sizes,
-            self.cfg.imgsz,
-            self.ctx.device,
-            self.engine.amp,
-            warn=lambda line: say(f"[yellow]warning:[/] {line}"),
-        )
+        compiled = compiler.compile_model(self.raw_model, mode, sizes, self.cfg.imgsz, self.ctx.device,
+                                          self.engine.amp, warn)  # fmt: skip
         resume.restore_rng(rng, None)
         if compiled:
             say(f"compile: {compiled.describe()}")
