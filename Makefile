@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke fidelity
+.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke bench-compile fidelity
 
 install: $(STAMP)
 
@@ -47,6 +47,9 @@ bench: install  # its duration on 2 CPU cores: docs/performance.md
 
 bench-smoke: install
 	$(BIN)/python benchmarks/bench.py --smoke
+
+bench-compile: install  # make bench's section (h) alone: compile=True against eager and Ultralytics (docs/compile.md)
+	$(BIN)/python benchmarks/bench.py --compile-only
 
 # Accuracy over seeds against a real batch of 64 and Ultralytics' trainer: benchmarks/fidelity.{md,json,png}. Long
 # (hours on 2 CPU cores); finished runs are kept in fidelity.json, so it continues where it stopped.

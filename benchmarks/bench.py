@@ -1,8 +1,9 @@
 """The benchmark suite: yoloaccum against Ultralytics' own trainer and against the bare model, memory, accumulation
 overhead and the data pipeline.
 
-    python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 12 minutes)
+    python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 30 minutes: 12, and 17 for section h)
     python benchmarks/bench.py --smoke    # a few iterations of everything, to keep the scripts working (CI)
+    python benchmarks/bench.py --compile-only   # section (h) alone: compile=True (about 17 minutes)
 
 These machines are noisy, so nothing is compared across time: each repeat runs both trainers back to back, each in a
 fresh process, so neither inherits the other's threads, caches or memory; the bare limit is measured inside
@@ -218,8 +219,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a few iterations of each, to check the scripts run")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each comparison (default 5)")
+    parser.add_argument("--compile-only", action="store_true", help="section (h) alone, printed, not written")
     args = parser.parse_args()
     smoke = args.smoke
+    if args.compile_only:
+        h = compiled_against_eager("yolo26n.yaml", str(shapes_data(None, False)), 160, 2, 0.99, 1)
+        print(json.dumps(h, indent=1), "\n".join(compile_markdown(h)), sep="\n")
+        return
     imgsz, micro = 64 if smoke else 160, TRAIN_ARGS["batch"]
     models = ("yolo26n.yaml",) if smoke else ("yolo26n.yaml", "yolo11n.yaml")
     data = str(shapes_data(tempfile.mkdtemp() if smoke else None, smoke))
