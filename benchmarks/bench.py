@@ -1,7 +1,7 @@
 """The benchmark suite: yoloaccum against Ultralytics' own trainer and against the bare model, memory, accumulation
 overhead and the data pipeline.
 
-    python benchmarks/bench.py            # full: writes benchmarks/results.md and results.json (about 30 minutes: 12, and 17 for section h)
+    python benchmarks/bench.py            # full: writes benchmarks/results.md and .json (about 30 minutes)
     python benchmarks/bench.py --smoke    # a few iterations of everything, to keep the scripts working (CI)
     python benchmarks/bench.py --compile-only   # section (h) alone: compile=True (about 17 minutes)
 
