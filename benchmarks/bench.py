@@ -194,10 +194,12 @@ def compiled_against_eager(model: str, data: str, imgsz: int, epochs: int, fract
                 lines = str(e).splitlines()
                 failed[name] = next((x for x in lines if x.startswith("warning: compile=")), lines[-1])[:400]
             print(f"(h) {name}: {runs[name][-1] if runs[name] else failed[name]}", file=sys.stderr, flush=True)
+    if not runs["eager"]:
+        raise RuntimeError(f"(h) eager training failed: {failed['eager']}")
     images = runs["eager"][0]["images"]
     for r in runs.get("ultralytics_compiled", []):  # its compile time: its first epoch's time beyond a steady one's
         first, last = r["epochs_img_s"][0], r["epochs_img_s"][-1]
-        r["compile_s"] = max(images / first - images / last, 0.0)
+        r["compile_s"] = max(r["images"] / first - r["images"] / last, 0.0)
     out = {name: {"img_s": median(r["img_s"] for r in rs), "compile_s": median(r.get("compile_s", 0.0) for r in rs)}
            if rs else {"failed": failed[name]} for name, rs in runs.items()}  # fmt: skip
     eager = [r["img_s"] for r in runs["eager"]]

@@ -201,18 +201,17 @@ def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int
 
     def epoch_end(t):
         loader = t.train_loader
-        dropped = getattr(loader.batch_sampler, "drop_last", False)
-        images = len(loader) * loader.batch_size if dropped else len(loader.dataset)
+        images = len(loader) * loader.batch_size if loader.drop_last else len(loader.dataset)
         epoch_img_s.append(images / (time.perf_counter() - marks["start"]))
-        marks.update(workers=loader.num_workers, threads=torch.get_num_threads())
+        marks.update(workers=loader.num_workers, threads=torch.get_num_threads(), images=images)
 
     yolo = YOLO(model)
     yolo.add_callback("on_train_epoch_start", lambda t: marks.__setitem__("start", time.perf_counter()))
     yolo.add_callback("on_train_epoch_end", epoch_end)
     yolo.train(**TRAIN_ARGS, data=data, imgsz=imgsz, epochs=epochs, fraction=fraction, project=tempfile.mkdtemp(),
                name="bench", pretrained=False, verbose=False, compile=compile)  # fmt: skip
-    return {"img_s": epoch_img_s[-1], "epochs_img_s": epoch_img_s, "threads": marks["threads"],
-            "workers": marks["workers"]}  # fmt: skip
+    return {"img_s": epoch_img_s[-1], "epochs_img_s": epoch_img_s, "images": marks["images"],
+            "threads": marks["threads"], "workers": marks["workers"]}  # fmt: skip
 
 
 def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction: float, compile: bool,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import compiler, config, data
+from yoloaccum import backoff, compiler, config, data
 from yoloaccum.errors import UserError
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -54,17 +54,31 @@ def test_micro_batch_sizes_are_those_the_sampler_gives(images, micro, world, siz
     assert given == set(sizes)
 
 
+def test_after_an_out_of_memory_back_off_the_halved_sizes_are_compiled():
+    """A run resumed after a back-off cuts each loader batch in engine.split parts: those are the sizes that run."""
+    assert backoff.part_sizes(8, 1) == {8}
+    assert backoff.part_sizes(8, 2) == {4}
+    assert backoff.part_sizes(3, 2) == {1, 2}
+    assert backoff.part_sizes(1, 4) == {1}  # no empty parts
+
+
 def test_a_compiled_window_equals_the_eager_one_and_compiling_changes_nothing():
     """One window of a full and a short micro-batch: the same step to float tolerance, BatchNorm statistics and EMA
     included. And the warm-up that compiles leaves the weights, buffers and gradients as they were."""
     eager = engine_for(TINY, 64, batch=8, nbs=16, num_batches=2)
     compiled = engine_for(TINY, 64, batch=8, nbs=16, num_batches=2)
     state = copy.deepcopy(compiled.raw_model.state_dict())
+    params = list(compiled.raw_model.parameters())
+    open_window = [torch.randn_like(p) for p in params]  # as a window reopened on resume (remainder=carry)
+    for p, g in zip(params, open_window):
+        p.grad = g.clone()
     done = compiler.compile_model(compiled.raw_model, "default", (8, 4), 64, CTX.device, False, warn=pytest.fail)
     assert done is not None and done.batch_sizes == (8, 4)
     for k, v in compiled.raw_model.state_dict().items():
         assert torch.equal(v, state[k]), f"compiling changed {k}"
-    assert all(p.grad is None for p in compiled.raw_model.parameters())
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, open_window))
+    for p in params:
+        p.grad = None
 
     batches = [make_batches(1, 8, 64, seed=1)[0], make_batches(1, 4, 64, seed=2)[0]]
     for engine in (eager, compiled):
@@ -81,7 +95,8 @@ def test_compiled_training_through_the_cli(tmp_path: Path, run_cli):
     from ultralytics import YOLO
 
     data_yaml = shapes_yaml(tmp_path, num_train=20, num_val=4)
-    common = (f"data={data_yaml}", f"project={tmp_path}", "epochs=2", *RUN)
+    # bn=frozen: BatchNorm's mode is part of the compiled graph, so the warm-up must compile the one that trains.
+    common = (f"data={data_yaml}", f"project={tmp_path}", "epochs=2", "bn=frozen", *RUN)
     # TORCH_LOGS=recompiles: dynamo says each time it compiles a graph again. The warm-up compiles 8, then 4.
     r = run_cli("train", *common, "name=whole", env={**SERIAL, "TORCH_LOGS": "recompiles"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -144,8 +159,10 @@ def test_two_compiled_ranks_end_where_two_eager_ranks_do(tmp_path: Path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "yoloaccum",
                "train", f"data={data_yaml}", f"project={tmp_path}", f"name=compile_{compile_}", "epochs=1",
                "val=False", *RUN, "batch=16", "nbs=32", f"compile={compile_}"]  # fmt: skip
-        r = subprocess.run(cmd, cwd=REPO, env=offline_env(SERIAL), capture_output=True, text=True, timeout=600)
+        env = offline_env({**SERIAL, "TORCH_LOGS": "recompiles"})
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert r.stderr.count("Recompiling function") == (2 if compile_ else 0)  # each rank's warm-up: 8, then 4
     difference = relative_difference(
         final_weights(tmp_path / "compile_True"), final_weights(tmp_path / "compile_False")
     )

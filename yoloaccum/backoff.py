@@ -64,6 +64,11 @@ def iteration(engine, ni: int, batch: dict[str, Any], last_in_window: bool) -> t
     return items / batch["img"].shape[0]
 
 
+def part_sizes(n: int, parts: int) -> set[int]:
+    """The sizes chunks() cuts a batch of n images into."""
+    return {n * (j + 1) // parts - n * j // parts for j in range(parts)} - {0}
+
+
 def chunks(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """A collated batch cut into `parts` batches of consecutive images, sizes differing by at most one; none empty.
 

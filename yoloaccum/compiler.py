@@ -23,6 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from yoloaccum import backoff, data, distributed, resume
+from yoloaccum import model as model_
+from yoloaccum.config import Config
+from yoloaccum.errors import UserError
+
 # One graph per micro-batch size (False), or one with a dynamic batch dimension (True): see docs/performance.md for
 # the measurement that chose it. A module setting rather than a key: users choose a mode, not a tracing strategy.
 DYNAMIC = False
@@ -46,6 +51,42 @@ class Compiled:
         sizes = " and ".join(map(str, self.batch_sizes))
         shape = "one graph with a dynamic batch size" if self.dynamic else "one graph per batch size"
         return f"compiled ({self.mode}, {shape}) for micro-batches of {sizes} in {self.seconds:.1f} s"
+
+
+def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) -> Compiled | None:
+    """compile= for a run: the engine's model compiled before the first epoch, in the modes it trains in, for every
+    micro-batch size any rank will run: the loader's (the same list on all ranks, so that collectives inside the
+    forward, such as SyncBatchNorm's, stay matched), cut as a resumed out-of-memory back-off cuts them. All ranks
+    compile, or none does. Prints what it did with `say`."""
+
+    def warn(line: str) -> None:
+        say(f"[yellow]warning:[/] {line}")
+
+    mode, ctx, model = mode_of(cfg.compile), engine.ctx, engine.raw_model
+    if cfg.grad_checkpointing:  # dynamo cannot trace its checkpoints, which restore BatchNorm's buffers
+        warn(f"compile={mode} does not combine with grad_checkpointing=True (torch.compile cannot trace its "
+             "checkpoints); training without compilation")  # fmt: skip
+        return None
+    loader_sizes = data.micro_batch_sizes(num_images, engine.schedule.micro_batch, ctx.world_size)
+    sizes = sorted({p for n in loader_sizes for p in backoff.part_sizes(n, engine.split)}, reverse=True)
+    say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
+    engine.model.train()  # BatchNorm's mode is part of the graph: compile the one that trains
+    model_.set_bn_mode(engine.model, cfg.bn)
+    rng = resume.rng_state(None)  # compiling draws no training random numbers: make sure of it
+    try:
+        compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.amp, warn)
+    except torch.OutOfMemoryError as e:
+        raise UserError(f"compile={mode} ran out of device memory compiling micro-batches of {sizes[0]}; train "
+                        "with compile=False (which backs off by itself) or a smaller batch") from e  # fmt: skip
+    resume.restore_rng(rng, None)
+    compiled_ranks = torch.tensor([float(compiled is not None)], device=ctx.device)
+    if distributed.all_reduce_sum(compiled_ranks, ctx).item() < ctx.world_size:
+        uncompile(model)
+        if compiled is not None:
+            warn(f"compile={mode} failed on another rank; all ranks train without compilation")
+        return None
+    say(f"compile: {compiled.describe()}")
+    return compiled
 
 
 def compile_model(model: nn.Module, mode: str, batch_sizes: Iterable[int], imgsz: int, device: torch.device,
@@ -73,11 +114,16 @@ def compile_model(model: nn.Module, mode: str, batch_sizes: Iterable[int], imgsz
         for size in sizes:
             warm_up(model, size, imgsz, device, amp)
     except (TorchDynamoException, InductorError) as e:
-        model._compiled_call_impl = None  # undoes nn.Module.compile: calls go to the eager forward again
+        uncompile(model)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warn(f"compile={mode} failed ({type(e).__name__}: {reason[:200]}); training without compilation")
         return None
     return Compiled(mode, dynamic, sizes, time.perf_counter() - start)
+
+
+def uncompile(model: nn.Module) -> None:
+    """Undo nn.Module.compile: calls go to the eager forward again."""
+    model._compiled_call_impl = None
 
 
 def missing_backend(device: torch.device) -> str | None:

@@ -125,29 +125,6 @@ class Trainer:
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
 
-    def _compile(self) -> compiler.Compiled | None:
-        """compile=: the forward compiled, before the first epoch, for every micro-batch size the loader gives any
-        rank (the same on all, so collectives inside the forward, such as SyncBatchNorm's, stay matched)."""
-        say = self.run.console.print if self.run else (lambda message: None)
-
-        def warn(line: str) -> None:
-            say(f"[yellow]warning:[/] {line}")
-
-        mode = compiler.mode_of(self.cfg.compile)
-        if self.cfg.grad_checkpointing:  # dynamo cannot trace its checkpoints, which restore BatchNorm's buffers
-            warn(f"compile={mode} does not combine with grad_checkpointing=True (torch.compile cannot trace its "
-                 "checkpoints); training without compilation")  # fmt: skip
-            return None
-        sizes = data.micro_batch_sizes(len(self.train_set), self.schedule.micro_batch, self.ctx.world_size)
-        say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
-        rng = resume.rng_state(None)  # compiling draws no training random numbers: make sure of it
-        compiled = compiler.compile_model(self.raw_model, mode, sizes, self.cfg.imgsz, self.ctx.device,
-                                          self.engine.amp, warn)  # fmt: skip
-        resume.restore_rng(rng, None)
-        if compiled:
-            say(f"compile: {compiled.describe()}")
-        return compiled
-
     def _loader(self):
         s = self.schedule
         return data.build_loader(
@@ -163,7 +140,8 @@ class Trainer:
             if cfg.plots and self.position == (0, 0):
                 plots.labels(self.train_set, self.spec.names, self.run.path)
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
-            self.compiled = self._compile()
+            say = self.run.console.print if self.run else (lambda message: None)
+            self.compiled = compiler.for_run(cfg, self.engine, len(self.train_set), say)
         self.train_start = time.perf_counter()
         bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
         with GracefulStop() as stop_signal, frozen_heap(), bounded:
