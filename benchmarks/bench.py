@@ -308,8 +308,9 @@ def markdown(r: dict) -> str:
 
 def compile_markdown(h: dict) -> list[str]:
     """(h) as a table: images/s of the last epoch, compile time, ratios and the epochs after which it pays."""
-    lines = ["", f"compile=True ({h['model']}, {h['imgsz']} px, {h['images_per_epoch']} images an epoch, the last "
-             f"micro-batch short; {h['epochs']} epochs, images/s of the last; {h['repeats']} repeat(s); "
+    short = ", the last micro-batch short" if h["images_per_epoch"] % TRAIN_ARGS["batch"] else ""
+    lines = ["", f"compile=True ({h['model']}, {h['imgsz']} px, {h['images_per_epoch']} images an epoch{short}; "
+             f"{h['epochs']} epochs, images/s of the last; {h['repeats']} repeat(s); "
              f"{'a cold inductor cache' if h['cold'] else 'a warm inductor cache'}):", "",
              "| run | img/s | compile s | vs eager | vs Ultralytics compiled | pays off after (epochs) |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
