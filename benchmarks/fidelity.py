@@ -228,8 +228,9 @@ def main() -> None:
             print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
             store.write_text(json.dumps(saved, indent=1))
     seconds = sum(r["seconds"] for name in a.configs for r in runs.get(name, {}).values())
-    summary = summarise(runs, a.configs, a.seeds)
-    (a.out / "fidelity.md").write_text(report(summary, size, a.seeds, seconds / 60))
+    seeds = [s for s in a.seeds if any(str(s) in runs.get(name, {}) for name in a.configs)]  # those that ran
+    summary = summarise(runs, a.configs, seeds)
+    (a.out / "fidelity.md").write_text(report(summary, size, seeds, seconds / 60))
     plot(runs, a.configs, a.out / "fidelity.png")
     print((a.out / "fidelity.md").read_text())
     print(f"written: {a.out / 'fidelity.md'}, fidelity.json, fidelity.png")
