@@ -2,7 +2,7 @@
 
 What is compiled: the training model's forward, and with it the backward that AOTAutograd derives from it. The loss
 is not: its target assignment works on as many boxes as each micro-batch holds, so its shapes change every time
-(dynamo would recompile or break its graph). Validation runs the EMA, uncompiled (docs/performance.md says why).
+(dynamo would recompile or break its graph). Validation runs the EMA, uncompiled (docs/compile.md says why).
 
 Shapes: training images all have imgsz × imgsz pixels, so only the batch dimension varies: the micro-batch, and the
 shorter last micro-batch of an epoch, which yoloaccum trains rather than drops. `dynamic=False` compiles one graph
@@ -28,7 +28,7 @@ from yoloaccum import model as model_
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
 
-# One graph per micro-batch size (False), or one with a dynamic batch dimension (True): see docs/performance.md for
+# One graph per micro-batch size (False), or one with a dynamic batch dimension (True): see docs/compile.md for
 # the measurement that chose it. A module setting rather than a key: users choose a mode, not a tracing strategy.
 DYNAMIC = False
 
