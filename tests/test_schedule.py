@@ -178,3 +178,9 @@ def test_plotted_training_batches_are_ultralytics_iterations():
     s = build(num_images=100, batch=10, epochs=6)  # 10 iterations an epoch
     assert plots.train_batch_indices(s, close_mosaic=2) == {0, 1, 2, 40, 41, 42}
     assert plots.train_batch_indices(s, close_mosaic=0) == {0, 1, 2}
+
+
+@pytest.mark.parametrize(("n", "parts", "cuts"), [(8, 2, [0, 4, 8]), (5, 2, [0, 2, 5]), (7, 3, [0, 2, 4, 7]),
+                                                  (2, 4, [0, 0, 1, 1, 2]), (0, 2, [0, 0, 0])])  # fmt: skip
+def test_even_cuts_differ_by_at_most_one_and_cover_every_item(n, parts, cuts):
+    assert schedule.even_cuts(n, parts) == cuts

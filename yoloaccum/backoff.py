@@ -14,6 +14,7 @@ import torch
 
 from yoloaccum import distributed
 from yoloaccum.errors import UserError
+from yoloaccum.schedule import even_cuts
 
 # Per-label tensors of a collated detection batch, indexed by batch_idx rather than by image.
 LABEL_KEYS = ("batch_idx", "cls", "bboxes")
@@ -66,7 +67,8 @@ def iteration(engine, ni: int, batch: dict[str, Any], last_in_window: bool) -> t
 
 def part_sizes(n: int, parts: int) -> set[int]:
     """The sizes chunks() cuts a batch of n images into."""
-    return {n * (j + 1) // parts - n * j // parts for j in range(parts)} - {0}
+    cuts = even_cuts(n, parts)
+    return {b - a for a, b in zip(cuts, cuts[1:])} - {0}
 
 
 def chunks(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
@@ -76,8 +78,8 @@ def chunks(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     n = batch["img"].shape[0]
     if parts == 1:
         return [dict(batch)]
-    cuts = [n * j // parts for j in range(parts + 1)]
     out = []
+    cuts = even_cuts(n, parts)
     for a, b in zip(cuts, cuts[1:]):
         if a == b:
             continue

@@ -72,13 +72,12 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
     say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
     engine.model.train()  # BatchNorm's mode is part of the graph: compile the one that trains
     model_.set_bn_mode(engine.model, cfg.bn)
-    rng = resume.rng_state(None)  # compiling draws no training random numbers: make sure of it
     try:
-        compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.amp, warn)
+        with resume.rng_kept():  # compiling draws no training random numbers: make sure of it
+            compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.amp, warn)
     except torch.OutOfMemoryError as e:
         raise UserError(f"compile={mode} ran out of device memory compiling micro-batches of {sizes[0]}; train "
                         "with compile=False (which backs off by itself) or a smaller batch") from e  # fmt: skip
-    resume.restore_rng(rng, None)
     compiled_ranks = torch.tensor([float(compiled is not None)], device=ctx.device)
     if distributed.all_reduce_sum(compiled_ranks, ctx).item() < ctx.world_size:
         uncompile(model)

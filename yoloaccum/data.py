@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from yoloaccum.config import Config, load_yaml
 from yoloaccum.errors import UserError
+from yoloaccum.schedule import even_cuts
 
 _PACKAGE = Path(__file__).resolve().parent
 DATASETS_DIRS = (_PACKAGE / "datasets", _PACKAGE.parent / "datasets")  # wheel copy, then the source checkout
@@ -135,7 +136,7 @@ class EpochBatchSampler(Sampler[list[int]]):
         order = torch.randperm(self.num_images, generator=g).tolist()
         for first in range(self.start * self.batch, self.num_images, self.batch):
             global_batch = order[first : first + self.batch]
-            cuts = [len(global_batch) * r // self.world_size for r in range(self.world_size + 1)]
+            cuts = even_cuts(len(global_batch), self.world_size)
             yield global_batch[cuts[self.rank] : cuts[self.rank + 1]]
 
 
@@ -144,8 +145,8 @@ def micro_batch_sizes(num_images: int, micro_batch: int, world_size: int) -> tup
     and each rank's share of a short last global batch."""
     batch = micro_batch * world_size
     sizes = {micro_batch} if num_images >= batch else set()
-    last = num_images % batch
-    sizes |= {last * (r + 1) // world_size - last * r // world_size for r in range(world_size)} if last else set()
+    cuts = even_cuts(num_images % batch, world_size)
+    sizes |= {b - a for a, b in zip(cuts, cuts[1:])} - {0}
     return tuple(sorted(sizes, reverse=True))
 
 

@@ -8,6 +8,8 @@ line, and epochs, which continues a finished or interrupted run to a new length 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,17 @@ def extension_note(state: dict[str, Any], cfg: Config) -> str | None:
     if warmup:
         note += f"; warmup ({warmup:g} epochs) is " + ("already done" if done >= warmup else "kept as planned")
     return note
+
+
+@contextmanager
+def rng_kept() -> Iterator[None]:
+    """Every random state of this process as it was before the block, after it: for work that draws random numbers
+    but must leave training's draws as they would have been without it."""
+    state = rng_state(None)
+    try:
+        yield
+    finally:
+        restore_rng(state, None)
 
 
 def rng_state(loader_generator: torch.Generator | None) -> dict[str, Any]:

@@ -221,6 +221,12 @@ def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Sc
     )
 
 
+def even_cuts(n: int, parts: int) -> list[int]:
+    """Where n items are cut into `parts` consecutive runs whose lengths differ by at most one, longer ones last:
+    parts + 1 offsets from 0 to n (a run is empty when n < parts)."""
+    return [n * j // parts for j in range(parts + 1)]
+
+
 def check_batch(batch: int | float) -> None:
     """A schedule needs the micro-batch in images: train and plan resolve batch=-1 or a fraction first (autobatch)."""
     assert not is_auto_batch(batch), f"batch={batch} reached the schedule unresolved; autobatch.choose() resolves it"
