@@ -107,12 +107,11 @@ class Trainer:
         self.optimizer = self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
         val_batch = self.schedule.micro_batch * 2  # rank 0 validates alone, on one device
-        self.bn_loader = None
+        self.bn_loader, self.bn_images = None, None  # precise_bn's images: loaded at its first recompute, then kept
         if cfg.precise_bn:  # building a dataset draws random numbers: put them back, so training is the same either way
-            rng = resume.rng_state(None)
-            self.bn_loader = data.build_bn_loader(cfg, self.spec, val_batch, self.ctx.rank, self.ctx.world_size,
-                                                  self.ctx.device)  # fmt: skip
-            resume.restore_rng(rng, None)
+            with resume.rng_kept():
+                self.bn_loader = data.build_bn_loader(cfg, self.spec, val_batch, self.ctx.rank, self.ctx.world_size,
+                                                      self.ctx.device)  # fmt: skip
         self.evaluator = Evaluator(cfg, self.spec, self.run.path, val_batch, self.ctx.device) if self.run else None
         # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
@@ -261,11 +260,15 @@ class Trainer:
         return ("patience", "final")[final] if self._agree(ended is not None) else None
 
     def recompute_bn(self) -> None:
-        """Precise BatchNorm statistics for the EMA model, the one validated and saved. Loading its images draws
-        random numbers (Ultralytics' transforms do, even unaugmented): they are put back, so training is the same."""
-        device, rng = self.ctx.device, resume.rng_state(None)
-        precise_bn.recompute(self.ema.ema, (model_input(b["img"], device) for b in self.bn_loader), self.ctx)
-        resume.restore_rng(rng, None)
+        """Precise BatchNorm statistics for the EMA model, the one validated and saved. Its images are loaded at the
+        first recompute and kept, letterboxed (N x 3 x imgsz^2 bytes: 20 MB for 256 images at 160 px, 315 MB at 640).
+        Loading them draws random numbers (Ultralytics' transforms do, even unaugmented): they are put back, so
+        training is the same with and without precise_bn."""
+        if self.bn_images is None:
+            with resume.rng_kept():
+                self.bn_images = [b["img"] for b in self.bn_loader]
+        device = self.ctx.device
+        precise_bn.recompute(self.ema.ema, (model_input(img, device) for img in self.bn_images), self.ctx)
 
     def _agree(self, stop: bool) -> bool:
         """Every rank stops together: rank 0 decided; the others wait here while it validated and saved."""
