@@ -72,8 +72,9 @@ def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, fold
             **final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], size["images"])}  # fmt: skip
 
 
-def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) -> dict:
-    """Validation metrics of a checkpoint's EMA as trained, then with its BatchNorm statistics recomputed."""
+def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int, layerwise: bool = False) -> dict:
+    """Validation metrics of a checkpoint's EMA as trained, then with its BatchNorm statistics recomputed (precise_bn's
+    one pass; with layerwise=True also precise_bn.recompute_layerwise's pass per layer, and how long each took)."""
     import torch
 
     from yoloaccum import checkpoint, config, distributed, precise_bn
@@ -84,13 +85,21 @@ def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) ->
     cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "precise_bn": precise_images, "workers": 0})
     spec = data_.load_spec(cfg.data)
     cpu = torch.device("cpu")
-    model = checkpoint.model_of(checkpoint.load(weights, trust=True))
+    ctx = distributed.Context(0, 0, 1, cpu)
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
-    out = {"raw": _pick(evaluator.evaluate(model))}
-    loader = data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)
-    precise_bn.recompute(model, (model_input(b["img"], cpu) for b in loader), distributed.Context(0, 0, 1, cpu))
-    out["precise"] = _pick(evaluator.evaluate(model))
-    return out
+    images = [model_input(b["img"], cpu) for b in data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)]
+    out, seconds = {}, {}
+    for variant, recompute in (("raw", None), ("precise", precise_bn.recompute),
+                               ("layerwise", precise_bn.recompute_layerwise if layerwise else None)):  # fmt: skip
+        if variant != "raw" and recompute is None:
+            continue
+        model = checkpoint.model_of(checkpoint.load(weights, trust=True))
+        if recompute is not None:
+            start = time.perf_counter()
+            recompute(model, images, ctx)
+            seconds[variant] = round(time.perf_counter() - start, 2)
+        out[variant] = _pick(evaluator.evaluate(model))
+    return {**out, "recompute_seconds": seconds} if layerwise else out
 
 
 def _pick(metrics: dict) -> dict:

@@ -108,3 +108,45 @@ def test_training_is_the_same_with_and_without_precise_statistics(tmp_path, run_
                     f"precise_bn={n}", env=SERIAL, timeout=600)  # fmt: skip
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert torch.equal(final_weights(tmp_path / "pbn0"), final_weights(tmp_path / "pbn16"))
+
+
+def test_the_kept_images_give_the_statistics_of_loading_them_again(tmp_path):
+    """The trainer loads precise_bn's images once and keeps them: every recompute, from the kept images, gives what
+    loading them afresh through the loader gives, and keeping them draws no random number that training uses."""
+    from yoloaccum import config
+    from yoloaccum.engine import model_input
+    from yoloaccum.trainer import Trainer
+
+    data = shapes_yaml(tmp_path, num_train=12, num_val=4)
+    settings = {"data": str(data), "model": "yolo26n.yaml", "imgsz": 64, "batch": 4, "precise_bn": 10, "workers": 0,
+                "plots": False, "project": str(tmp_path)}  # fmt: skip
+    cfg = config.resolve(overrides=settings)
+    trainer = Trainer(cfg, None, None)
+    fresh = copy.deepcopy(trainer.ema.ema)
+    random_state = torch.get_rng_state()
+    trainer.recompute_bn()
+    assert torch.equal(torch.get_rng_state(), random_state)
+    assert sum(img.shape[0] for img in trainer.bn_images) == 10
+    precise_bn.recompute(fresh, (model_input(b["img"], CPU.device) for b in trainer.bn_loader), CPU)
+    trainer.recompute_bn()  # from the kept images
+    for kept, loaded in zip(precise_bn.bn_layers(trainer.ema.ema), precise_bn.bn_layers(fresh)):
+        assert torch.equal(kept.running_mean, loaded.running_mean) and torch.equal(kept.running_var, loaded.running_var)
+
+
+def test_layerwise_statistics_are_those_each_layer_sees_at_inference():
+    """recompute_layerwise: every layer's running statistics are the mean and variance, over all images, of its
+    input in eval mode, every layer before it normalising with its own new statistics: what inference sees."""
+    model = make_model()
+    precise_bn.recompute_layerwise(model, list(images().split(5)), CPU)  # micro-batches of 5, 5 and 2
+    layers = precise_bn.bn_layers(model)
+    seen: dict[torch.nn.Module, torch.Tensor] = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, i: seen.setdefault(m, i[0].clone())) for layer in layers]
+    with torch.no_grad():
+        model(images())  # one batch of all the images, in eval mode: what inference sees
+    for h in hooks:
+        h.remove()
+    assert model.training is False and len(seen) == len(layers)
+    for layer in layers:
+        var, mean = torch.var_mean(seen[layer].double(), dim=(0, 2, 3))
+        torch.testing.assert_close(layer.running_mean, mean.float(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.running_var, var.float(), rtol=1e-4, atol=1e-5)
