@@ -72,34 +72,24 @@ def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, fold
             **final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], size["images"])}  # fmt: skip
 
 
-def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int, layerwise: bool = False) -> dict:
-    """Validation metrics of a checkpoint's EMA as trained, then with its BatchNorm statistics recomputed (precise_bn's
-    one pass; with layerwise=True also precise_bn.recompute_layerwise's pass per layer, and how long each took)."""
+def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) -> dict:
+    """Validation metrics of a checkpoint's EMA as trained, then with its BatchNorm statistics recomputed."""
     import torch
 
     from yoloaccum import checkpoint, config, distributed, precise_bn
     from yoloaccum import data as data_
-    from yoloaccum.engine import model_input
     from yoloaccum.validate import Evaluator
 
     cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "precise_bn": precise_images, "workers": 0})
     spec = data_.load_spec(cfg.data)
     cpu = torch.device("cpu")
-    ctx = distributed.Context(0, 0, 1, cpu)
+    model = checkpoint.model_of(checkpoint.load(weights, trust=True))
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
-    images = [model_input(b["img"], cpu) for b in data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)]
-    out, seconds = {}, {}
-    for variant, recompute in (("raw", None), ("precise", precise_bn.recompute),
-                               ("layerwise", precise_bn.recompute_layerwise if layerwise else None)):  # fmt: skip
-        if variant != "raw" and recompute is None:
-            continue
-        model = checkpoint.model_of(checkpoint.load(weights, trust=True))
-        if recompute is not None:
-            start = time.perf_counter()
-            recompute(model, images, ctx)
-            seconds[variant] = round(time.perf_counter() - start, 2)
-        out[variant] = _pick(evaluator.evaluate(model))
-    return {**out, "recompute_seconds": seconds} if layerwise else out
+    out = {"raw": _pick(evaluator.evaluate(model))}
+    images = torch.cat([b["img"] for b in data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)])
+    precise_bn.recompute_images(model, images, distributed.Context(0, 0, 1, cpu))  # as the trainer does
+    out["precise"] = _pick(evaluator.evaluate(model))
+    return out
 
 
 def _pick(metrics: dict) -> dict:

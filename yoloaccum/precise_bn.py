@@ -7,15 +7,18 @@ do. As detectron2's PreciseBN and mmengine's hook, this recomputes them from a f
 
 Unlike an average of per-batch variances, which misses the variance between batches, each layer gets the mean and
 variance over all N images of what it sees: per-channel sums of x and x^2 over every micro-batch (and every rank).
-Upstream layers normalise with each micro-batch's own statistics during the pass (one pass, as detectron2 does), so
-the cost is one forward pass over N images, with no augmentation (the images inference sees). recompute_layerwise
-is the alternative that inference matches exactly, upstream layers normalising with their new running statistics,
-at the cost of a pass per layer; docs/accuracy.md compares the two.
+
+Upstream layers normalise with each micro-batch's own statistics during the pass (one pass, as detectron2 does). With
+one micro-batch of all N images that is exactly what inference will see: every layer upstream normalises with the
+statistics of all N images of its input, which are the ones the recompute gives it (tests/test_precise_bn.py). Small
+micro-batches add their own statistics' noise to every layer downstream: micro-batches of 16 left a run buried in
+false positives, and micro-batches of 64 rescued it, as far as one batch of all 256 images did (docs/accuracy.md).
+So the pass runs in micro-batches of BATCH images, halved while a device runs out of memory. Its cost is one forward
+pass over N images, with no augmentation (the images inference sees).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -23,8 +26,10 @@ from torch import nn
 
 from yoloaccum import distributed
 from yoloaccum.distributed import Context
+from yoloaccum.engine import model_input
 
 _BN = nn.modules.batchnorm._BatchNorm
+BATCH = 64  # images per forward pass: as good as one pass of all 256 images on the runs measured (docs/accuracy.md)
 
 
 class _Moments:
@@ -79,49 +84,19 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
     return num_images
 
 
-class _Reached(Exception):
-    """Raised by a hook to end a forward pass at the layer being measured: nothing after it is needed."""
-
-
-@torch.no_grad()
-def recompute_layerwise(model: nn.Module, batches: list[torch.Tensor], ctx: Context) -> None:
-    """As recompute, but with every layer upstream of the one measured normalising with its new running statistics
-    (eval mode), as inference will: each layer in the order the forward pass reaches it, one pass over all images
-    per layer, each pass stopped at that layer. Exact for what inference sees, at about (layers / 2) passes' cost."""
-    layers = bn_layers(model)
-    reached: list[_BN] = []
-
-    def note(layer: _BN, inputs: tuple[torch.Tensor, ...]) -> None:
-        if layer not in reached:
-            reached.append(layer)
-
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    hooks = [layer.register_forward_pre_hook(note) for layer in layers]
-    try:
-        model(batches[0][:1])  # the order the forward pass reaches the layers in
-    finally:
-        for h in hooks:
-            h.remove()
-    try:
-        for layer in reached:
-            moments = _Moments(layer)
-
-            def measure(layer: _BN, inputs: tuple[torch.Tensor, ...], moments: _Moments = moments) -> None:
-                moments(layer, inputs)
-                raise _Reached
-
-            hook = layer.register_forward_pre_hook(measure)
-            try:
-                for img in batches:
-                    with contextlib.suppress(_Reached):
-                        model(img)
-            finally:
-                hook.remove()
-            _set_statistics([layer], [moments], ctx)  # from now on, the layers after it see what inference sees
-    finally:
-        for m, training in modes.items():
-            m.train(training)
+def recompute_images(model: nn.Module, images: torch.Tensor, ctx: Context, batch: int = BATCH) -> int:
+    """recompute over `images` (this rank's, uint8 NCHW on the host) in micro-batches of `batch` images, halved on
+    out-of-memory until a pass fits. Returns the micro-batch that fitted, to start from next time. A rank that backs
+    off reaches the all-reduce after the pass later, never a different one, so the ranks stay matched."""
+    while True:
+        try:
+            recompute(model, (model_input(x, ctx.device) for x in images.split(batch)), ctx)
+            return batch
+        except torch.OutOfMemoryError:
+            if batch == 1:
+                raise
+            batch //= 2
+            torch.cuda.empty_cache()
 
 
 def _set_statistics(layers: list[_BN], moments: list[_Moments], ctx: Context) -> None:

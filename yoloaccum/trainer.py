@@ -35,7 +35,7 @@ from yoloaccum import (
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, is_auto_batch, resolve
-from yoloaccum.engine import Engine, EpochResult, merge_windows, model_input
+from yoloaccum.engine import Engine, EpochResult, merge_windows
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress, StepLog
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
@@ -108,6 +108,7 @@ class Trainer:
         self.stopper = EarlyStopping(patience=cfg.patience)
         val_batch = self.schedule.micro_batch * 2  # rank 0 validates alone, on one device
         self.bn_loader, self.bn_images = None, None  # precise_bn's images: loaded at its first recompute, then kept
+        self.bn_batch = precise_bn.BATCH  # its micro-batch, until one runs out of memory
         if cfg.precise_bn:  # building a dataset draws random numbers: put them back, so training is the same either way
             with resume.rng_kept():
                 self.bn_loader = data.build_bn_loader(cfg, self.spec, val_batch, self.ctx.rank, self.ctx.world_size,
@@ -266,9 +267,8 @@ class Trainer:
         training is the same with and without precise_bn."""
         if self.bn_images is None:
             with resume.rng_kept():
-                self.bn_images = [b["img"] for b in self.bn_loader]
-        device = self.ctx.device
-        precise_bn.recompute(self.ema.ema, (model_input(img, device) for img in self.bn_images), self.ctx)
+                self.bn_images = torch.cat([b["img"] for b in self.bn_loader])
+        self.bn_batch = precise_bn.recompute_images(self.ema.ema, self.bn_images, self.ctx, self.bn_batch)
 
     def _agree(self, stop: bool) -> bool:
         """Every rank stops together: rank 0 decided; the others wait here while it validated and saved."""

@@ -1,0 +1,117 @@
+"""Which BatchNorm statistics validation reads, compared on the same final weights: the fidelity runs' checkpoints.
+
+    python benchmarks/bn_validation.py /tmp/fidelity-*/b8/run*/weights/last.pt ...
+
+Each checkpoint (a fidelity run folder, <config>/run<seed>/weights/last.pt) is validated on the fidelity set five
+ways; precision and recall are kept beside the mAPs, to tell a run that finds nothing from one buried in false
+positives:
+- trained: the EMA's running statistics as training left them;
+- precise-16, precise-64, precise-all: yoloaccum's precise_bn over the 256 training images in micro-batches of 16
+  (what it used to do), 64 (precise_bn.BATCH, what it does) or all 256 at once, which is exactly the statistics
+  inference sees (each layer upstream normalised with the statistics of all the images);
+- val-batch: every layer normalising with each validation batch's own statistics (16 images), as in training:
+  what the weights can do when no running statistic is read at all.
+Rows go to benchmarks/bn_validation.json (kept, so runs add up), the table to stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from fidelity import FULL  # noqa: E402
+
+VARIANTS = ("trained", "precise-16", "precise-64", "precise-all", "val-batch")
+KEYS = {"P": "metrics/precision(B)", "R": "metrics/recall(B)", "mAP50": "metrics/mAP50(B)",
+        "mAP50-95": "metrics/mAP50-95(B)"}  # fmt: skip
+
+
+def batch_statistics(model):
+    """Every BatchNorm layer normalising with its input batch's statistics even in eval mode, its running statistics
+    untouched (momentum 0). Returns a function that undoes it."""
+    from yoloaccum import precise_bn
+
+    def train_mode(layer, inputs):
+        layer.training = True
+
+    layers = precise_bn.bn_layers(model)
+    momenta = [layer.momentum for layer in layers]
+    hooks = [layer.register_forward_pre_hook(train_mode) for layer in layers]
+    for layer in layers:
+        layer.momentum = 0.0
+
+    def undo():
+        for layer, momentum, hook in zip(layers, momenta, hooks):
+            hook.remove()
+            layer.momentum = momentum
+
+    return undo
+
+
+def validate_variants(weights: Path, data: Path) -> dict:
+    import torch
+
+    from yoloaccum import checkpoint, config, distributed, precise_bn
+    from yoloaccum import data as data_
+    from yoloaccum.validate import Evaluator
+
+    imgsz = FULL["imgsz"]
+    cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "precise_bn": FULL["images"], "workers": 0})
+    spec, cpu = data_.load_spec(cfg.data), torch.device("cpu")
+    ctx = distributed.Context(0, 0, 1, cpu)
+    evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
+    images = torch.cat([b["img"] for b in data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)])
+    out = {}
+    for variant in VARIANTS:
+        model = checkpoint.model_of(checkpoint.load(weights, trust=True))
+        if variant.startswith("precise"):
+            batch = len(images) if variant == "precise-all" else int(variant.removeprefix("precise-"))
+            precise_bn.recompute_images(model, images, ctx, batch)
+        undo = batch_statistics(model) if variant == "val-batch" else None
+        metrics = evaluator.evaluate(model)
+        if undo:
+            undo()
+        out[variant] = {k: round(metrics[v], 4) for k, v in KEYS.items()}
+    return out
+
+
+def table(rows: dict) -> str:
+    header = " | ".join(f"{v} mAP50-95 (P / R)" for v in VARIANTS)
+    lines = [f"| run | {header} |", "| --- |" + " --- |" * len(VARIANTS)]
+    for key, r in sorted(rows.items()):
+        cells = [f"{r[v]['mAP50-95']:.3f} ({r[v]['P']:.2f} / {r[v]['R']:.2f})" for v in VARIANTS]
+        lines.append(f"| {key} | {' | '.join(cells)} |")
+    lines.append("")
+    for variant in VARIANTS[1:]:
+        diffs = [r[variant]["mAP50-95"] - r["trained"]["mAP50-95"] for r in rows.values()]
+        if len(diffs) > 1:
+            mean, sd, higher = statistics.fmean(diffs), statistics.stdev(diffs), sum(d > 0 for d in diffs)
+            lines.append(
+                f"{variant} - trained, mAP50-95: mean {mean:+.4f}, sd {sd:.4f}, higher in {higher} of {len(diffs)}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
+
+    data = shapes_data(tempfile.mkdtemp(), smoke=False, counts={"num_train": FULL["images"],
+                       "num_val": FULL["val_images"], "imgsz": FULL["imgsz"], "seed": 0})  # fmt: skip
+    store = HERE / "bn_validation.json"
+    rows = json.loads(store.read_text()) if store.exists() else {}
+    for weights in map(Path, sys.argv[1:]):
+        run = weights.parent.parent
+        key = f"{run.parent.name} seed {run.name.removeprefix('run')}"
+        rows[key] = validate_variants(weights, data)
+        print(key, rows[key], flush=True)
+        store.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
