@@ -4,6 +4,7 @@
     python benchmarks/fidelity.py --configs b64 b8 --seeds 0 1 2
     python benchmarks/fidelity.py --smoke     # 2 configurations x 2 seeds x 1 epoch on a tiny set, into a temp folder
     python benchmarks/fidelity.py --report    # rewrite the report from the runs kept in fidelity.json, training none
+    python benchmarks/fidelity.py --report --revalidate /tmp/fidelity-*   # kept runs' weights validated again
 
 Every run trains in a fresh process, then its final EMA weights (last.pt) are validated twice: with the BatchNorm
 statistics training left, and with precise statistics recomputed over all training images (yoloaccum's
@@ -90,6 +91,26 @@ def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) ->
     precise_bn.recompute_images(model, images, distributed.Context(0, 0, 1, cpu))  # as the trainer does
     out["precise"] = _pick(evaluator.evaluate(model))
     return out
+
+
+def revalidate(runs: dict, folders: list[Path], size: dict, work: Path) -> None:
+    """The precise figures of every kept run found in `folders`, measured again with this code. A folder is taken
+    for a kept run only if its weights validate as trained exactly as that run did (the folders hold other runs of
+    the same names: smoke runs, stopped runs)."""
+    from common import shapes_data
+
+    data = shapes_data(str(work), smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
+                                                       "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
+    for folder in folders:
+        for weights in sorted(folder.glob("*/run*/weights/last.pt")):
+            name, seed = weights.parents[2].name, weights.parents[1].name.removeprefix("run")
+            kept = runs.get(name, {}).get(seed)
+            if kept is None or (weights.parents[1] / "results.csv").read_text().count("\n") != size["epochs"] + 1:
+                continue
+            again = final_metrics(weights, data, size["imgsz"], size["images"])
+            if again["raw"] == kept["raw"]:
+                kept["precise"] = again["precise"]
+                print(f"{name} seed {seed} validated again: {again['precise']}", flush=True)
 
 
 def _pick(metrics: dict) -> dict:
@@ -204,6 +225,9 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--report", action="store_true", help="only write the report from the runs already kept")
     parser.add_argument("--out", type=Path, help="folder for fidelity.{md,json,png}: benchmarks/, or a temporary one")
+    parser.add_argument("--revalidate", nargs="+", type=Path, default=[], metavar="DIR",
+                        help="validate kept runs' last.pt again, both ways, after a change to precise_bn (training "
+                        "never reads it): runs whose folders DIR/<config>/run<seed> are still there")  # fmt: skip
     a = parser.parse_args()
     if a.smoke:
         a.configs, a.seeds = ["b64", "ultralytics-b8"], [0, 1]  # both trainers, and the reference to pair with
@@ -215,6 +239,9 @@ def main() -> None:
     key = json.dumps({**size, **RECIPE}, sort_keys=True)  # runs of other settings are kept apart, never mixed
     runs = saved.setdefault(key, {})
     work = Path(tempfile.mkdtemp(prefix="fidelity-"))
+    if a.revalidate:
+        revalidate(runs, a.revalidate, size, work)
+        store.write_text(json.dumps(saved, indent=1))
     for seed in [] if a.report else a.seeds:  # seed-major: a stopped benchmark still has complete pairs
         for name in a.configs:
             if str(seed) in runs.get(name, {}):
