@@ -1,9 +1,10 @@
 """Which BatchNorm statistics validation reads, compared on the same final weights: the fidelity runs' checkpoints.
 
     python benchmarks/bn_validation.py /tmp/fidelity-*/b8/run*/weights/last.pt ...
+    python benchmarks/bn_validation.py runs/train/shapes/weights/last.pt --data datasets/shapes.yaml
 
-Each checkpoint (a fidelity run folder, <config>/run<seed>/weights/last.pt) is validated on the fidelity set five
-ways; precision and recall are kept beside the mAPs, to tell a run that finds nothing from one buried in false
+Each checkpoint (a fidelity run's <config>/run<seed>/weights/last.pt, or any run at 160 px with --data) is validated
+five ways; precision and recall are kept beside the mAPs, to tell a run that finds nothing from one buried in false
 positives:
 - trained: the EMA's running statistics as training left them;
 - precise-16, precise-64, precise-all: yoloaccum's precise_bn over the 256 training images in micro-batches of 16
@@ -98,15 +99,21 @@ def table(rows: dict) -> str:
 
 
 def main() -> None:
+    import argparse
+
     from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
 
-    data = shapes_data(tempfile.mkdtemp(), smoke=False, counts={"num_train": FULL["images"],
-                       "num_val": FULL["val_images"], "imgsz": FULL["imgsz"], "seed": 0})  # fmt: skip
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("weights", nargs="+", type=Path, help="checkpoints: <folder>/<run>/weights/last.pt")
+    parser.add_argument("--data", type=Path, help="their dataset YAML (default: the fidelity set, generated)")
+    a = parser.parse_args()
+    data = a.data or shapes_data(tempfile.mkdtemp(), smoke=False, counts={"num_train": FULL["images"],
+                                 "num_val": FULL["val_images"], "imgsz": FULL["imgsz"], "seed": 0})  # fmt: skip
     store = HERE / "bn_validation.json"
     rows = json.loads(store.read_text()) if store.exists() else {}
-    for weights in map(Path, sys.argv[1:]):
+    for weights in a.weights:
         run = weights.parent.parent
-        key = f"{run.parent.name} seed {run.name.removeprefix('run')}"
+        key = f"{run.parent.name}/{run.name}"
         rows[key] = validate_variants(weights, data)
         print(key, rows[key], flush=True)
         store.write_text(json.dumps(rows, indent=1))
