@@ -187,3 +187,12 @@ def test_out_of_memory_halves_the_micro_batch_and_the_statistics_stay_those_of_a
     assert precise_bn.recompute_images(large, pixels, CPU, batch=12) == 12
     torch.testing.assert_close(small.bn.running_mean, large.bn.running_mean, **TOLERANCE)
     torch.testing.assert_close(small.bn.running_var, large.bn.running_var, **TOLERANCE)
+
+
+def test_a_rank_without_images_keeps_the_statistics_and_still_joins():
+    """precise_bn=1 on 2 ranks leaves one rank no image: it runs no forward pass but still reaches the all-reduce
+    (here a world of one, whose sums of nothing keep every layer's statistics)."""
+    model = make_model()
+    before = [layer.running_var.clone() for layer in precise_bn.bn_layers(model)]
+    assert precise_bn.recompute_images(model, torch.zeros(0, 3, 64, 64, dtype=torch.uint8), CPU) == precise_bn.BATCH
+    assert all(torch.equal(b, layer.running_var) for b, layer in zip(before, precise_bn.bn_layers(model)))

@@ -90,7 +90,8 @@ def recompute_images(model: nn.Module, images: torch.Tensor, ctx: Context, batch
     off reaches the all-reduce after the pass later, never a different one, so the ranks stay matched."""
     while True:
         try:
-            recompute(model, (model_input(x, ctx.device) for x in images.split(batch)), ctx)
+            parts = images.split(batch) if len(images) else ()  # a rank with no images still joins the all-reduce
+            recompute(model, (model_input(x, ctx.device) for x in parts), ctx)
             return batch
         except torch.OutOfMemoryError:
             if batch == 1:
