@@ -10,8 +10,14 @@ from conftest import REPO, offline_env
 pytestmark = pytest.mark.slow
 
 
-def test_bench_smoke_produces_every_figure():
-    r = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke"], cwd=REPO, env=offline_env(),
+def scratch_env(tmp_path) -> dict[str, str]:
+    """The benchmarks keep their run folders in the system's temporary directory (for a look afterwards); here
+    they go under the test's own folder, which pytest removes once the test passes."""
+    return offline_env({"TMPDIR": str(tmp_path)})
+
+
+def test_bench_smoke_produces_every_figure(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke"], cwd=REPO, env=scratch_env(tmp_path),
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     # The report is the first JSON object on stdout; Ultralytics may print before it (its image-caching bar).
@@ -27,10 +33,10 @@ def test_bench_smoke_produces_every_figure():
     assert "| static |" in r.stdout
 
 
-def test_bench_ddp_quick_counts_one_all_reduce_per_window():
+def test_bench_ddp_quick_counts_one_all_reduce_per_window(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "benchmarks/ddp.py",
            "--quick"]  # fmt: skip
-    r = subprocess.run(cmd, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=REPO, env=scratch_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(line for line in r.stdout.splitlines() if line.startswith("| 8 |")).split("|")
     with_no_sync, every_micro_batch = float(row[5]), float(row[6])
@@ -39,7 +45,7 @@ def test_bench_ddp_quick_counts_one_all_reduce_per_window():
 
 def test_fidelity_smoke_writes_the_report_table_and_plot(tmp_path):
     r = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--smoke", "--out", str(tmp_path)], cwd=REPO,
-                       env=offline_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+                       env=scratch_env(tmp_path), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     (runs,) = json.loads((tmp_path / "fidelity.json").read_text()).values()
     assert sorted(runs) == ["b64", "ultralytics-b8"] and all(sorted(r) == ["0", "1"] for r in runs.values())
