@@ -1,6 +1,7 @@
 """The benchmark scripts in their reduced form, so they cannot rot: they run and produce numbers (not how fast)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,8 +13,12 @@ pytestmark = pytest.mark.slow
 
 def scratch_env(tmp_path) -> dict[str, str]:
     """The benchmarks keep their run folders in the system's temporary directory (for a look afterwards); here
-    they go under the test's own folder, which pytest removes once the test passes."""
-    return offline_env({"TMPDIR": str(tmp_path)})
+    they go under the test's own folder, which pytest removes once the test passes. torch.compile's cache stays
+    where it was, shared with the compile tests: a cold cache costs this suite minutes."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    return offline_env({"TMPDIR": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": cache})
 
 
 def test_bench_smoke_produces_every_figure(tmp_path):
