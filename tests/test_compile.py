@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import backoff, compiler, config, data
+from yoloaccum import backoff, compiler, config, data, schedule
 from yoloaccum.errors import UserError
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -56,10 +56,13 @@ def test_micro_batch_sizes_are_those_the_sampler_gives(images, micro, world, siz
 
 def test_after_an_out_of_memory_back_off_the_halved_sizes_are_compiled():
     """A run resumed after a back-off cuts each loader batch in engine.split parts: those are the sizes that run."""
-    assert backoff.part_sizes(8, 1) == {8}
-    assert backoff.part_sizes(8, 2) == {4}
-    assert backoff.part_sizes(3, 2) == {1, 2}
-    assert backoff.part_sizes(1, 4) == {1}  # no empty parts
+    assert schedule.cut_sizes(8, 1) == {8}
+    assert schedule.cut_sizes(8, 2) == {4}
+    assert schedule.cut_sizes(3, 2) == {1, 2}
+    assert schedule.cut_sizes(1, 4) == {1}  # no empty parts
+    for n, parts in [(8, 1), (8, 2), (3, 2), (1, 4)]:  # the sizes chunks() really cuts
+        cut = backoff.chunks({"img": torch.zeros(n, 1)}, parts)
+        assert {len(c["img"]) for c in cut} == schedule.cut_sizes(n, parts)
 
 
 def test_a_compiled_window_equals_the_eager_one_and_compiling_changes_nothing():

@@ -65,12 +65,6 @@ def iteration(engine, ni: int, batch: dict[str, Any], last_in_window: bool) -> t
     return items / batch["img"].shape[0]
 
 
-def part_sizes(n: int, parts: int) -> set[int]:
-    """The sizes chunks() cuts a batch of n images into."""
-    cuts = even_cuts(n, parts)
-    return {b - a for a, b in zip(cuts, cuts[1:])} - {0}
-
-
 def chunks(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """A collated batch cut into `parts` batches of consecutive images, sizes differing by at most one; none empty.
 

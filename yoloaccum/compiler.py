@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from yoloaccum import backoff, data, distributed, resume
+from yoloaccum import data, distributed, resume, schedule
 from yoloaccum import model as model_
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
@@ -68,7 +68,7 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
              "checkpoints); training without compilation")  # fmt: skip
         return None
     loader_sizes = data.micro_batch_sizes(num_images, engine.schedule.micro_batch, ctx.world_size)
-    sizes = sorted({p for n in loader_sizes for p in backoff.part_sizes(n, engine.split)}, reverse=True)
+    sizes = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)}, reverse=True)
     say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
     engine.model.train()  # BatchNorm's mode is part of the graph: compile the one that trains
     model_.set_bn_mode(engine.model, cfg.bn)

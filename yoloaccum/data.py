@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from yoloaccum.config import Config, load_yaml
 from yoloaccum.errors import UserError
-from yoloaccum.schedule import even_cuts
+from yoloaccum.schedule import cut_sizes, even_cuts
 
 _PACKAGE = Path(__file__).resolve().parent
 DATASETS_DIRS = (_PACKAGE / "datasets", _PACKAGE.parent / "datasets")  # wheel copy, then the source checkout
@@ -145,8 +145,7 @@ def micro_batch_sizes(num_images: int, micro_batch: int, world_size: int) -> tup
     and each rank's share of a short last global batch."""
     batch = micro_batch * world_size
     sizes = {micro_batch} if num_images >= batch else set()
-    cuts = even_cuts(num_images % batch, world_size)
-    sizes |= {b - a for a, b in zip(cuts, cuts[1:])} - {0}
+    sizes |= cut_sizes(num_images % batch, world_size)
     return tuple(sorted(sizes, reverse=True))
 
 
@@ -294,3 +293,10 @@ def build_bn_loader(
         pin_memory=device.type == "cuda",
         generator=torch.Generator(),  # its iterator draws a seed: from its own generator, not the training RNG
     )
+
+
+def stacked_images(loader: DataLoader, imgsz: int) -> torch.Tensor:
+    """Every image a loader of letterboxed images gives, as one uint8 tensor N x 3 x imgsz x imgsz; N is 0 for a
+    rank that build_bn_loader gave no images (it still joins precise_bn's all-reduce)."""
+    batches = [b["img"] for b in loader]
+    return torch.cat(batches) if batches else torch.zeros(0, 3, imgsz, imgsz, dtype=torch.uint8)

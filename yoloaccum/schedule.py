@@ -227,6 +227,12 @@ def even_cuts(n: int, parts: int) -> list[int]:
     return [n * j // parts for j in range(parts + 1)]
 
 
+def cut_sizes(n: int, parts: int) -> set[int]:
+    """The lengths of the non-empty runs even_cuts(n, parts) makes: one length, or two that differ by one."""
+    cuts = even_cuts(n, parts)
+    return {b - a for a, b in zip(cuts, cuts[1:])} - {0}
+
+
 def check_batch(batch: int | float) -> None:
     """A schedule needs the micro-batch in images: train and plan resolve batch=-1 or a fraction first (autobatch)."""
     assert not is_auto_batch(batch), f"batch={batch} reached the schedule unresolved; autobatch.choose() resolves it"
