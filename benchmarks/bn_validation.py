@@ -66,7 +66,7 @@ def validate_variants(weights: Path, data: Path) -> dict:
     spec, cpu = data_.load_spec(cfg.data), torch.device("cpu")
     ctx = distributed.Context(0, 0, 1, cpu)
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
-    images = torch.cat([b["img"] for b in data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)])
+    images = data_.stacked_images(data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu), cfg.imgsz)
     out = {}
     for variant in VARIANTS:
         model = checkpoint.model_of(checkpoint.load(weights, trust=True))

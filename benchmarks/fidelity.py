@@ -87,7 +87,7 @@ def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) ->
     model = checkpoint.model_of(checkpoint.load(weights, trust=True))
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
     out = {"raw": _pick(evaluator.evaluate(model))}
-    images = torch.cat([b["img"] for b in data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu)])
+    images = data_.stacked_images(data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu), cfg.imgsz)
     precise_bn.recompute_images(model, images, distributed.Context(0, 0, 1, cpu))  # as the trainer does
     out["precise"] = _pick(evaluator.evaluate(model))
     return out

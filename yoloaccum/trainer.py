@@ -267,9 +267,7 @@ class Trainer:
         training is the same with and without precise_bn."""
         if self.bn_images is None:
             with resume.rng_kept():
-                batches = [b["img"] for b in self.bn_loader]
-            size = self.cfg.imgsz
-            self.bn_images = torch.cat(batches) if batches else torch.zeros(0, 3, size, size, dtype=torch.uint8)
+                self.bn_images = data.stacked_images(self.bn_loader, self.cfg.imgsz)
         self.bn_batch = precise_bn.recompute_images(self.ema.ema, self.bn_images, self.ctx, self.bn_batch)
 
     def _agree(self, stop: bool) -> bool:
