@@ -2,6 +2,7 @@
 
     python benchmarks/fidelity.py             # all configurations x 5 seeds: writes benchmarks/fidelity.{md,json,png}
     python benchmarks/fidelity.py --configs b64 b8 --seeds 0 1 2
+    python benchmarks/fidelity.py --configs b64 b8 --epochs 60   # longer runs: benchmarks/fidelity-60/
     python benchmarks/fidelity.py --smoke     # 2 configurations x 2 seeds x 1 epoch on a tiny set, into a temp folder
     python benchmarks/fidelity.py --report    # rewrite the report from the runs kept in fidelity.json, training none
     python benchmarks/fidelity.py --report --revalidate /tmp/fidelity-*   # kept runs' weights validated again
@@ -167,7 +168,8 @@ def report(summary: dict, size: dict, seeds: list[int], minutes: float) -> str:
         return "–" if x is None else f"{x:+.3f}"
 
     lines = [
-        "# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py`)",
+        f"# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py`"
+        f"{'' if size['epochs'] in (FULL['epochs'], SMOKE['epochs']) else ' --epochs ' + str(size['epochs'])})",
         "",
         f"Shapes set, {size['images']} training and {size['val_images']} validation images at {size['imgsz']} px, "
         f"yolo26n, {size['epochs']} epochs, nbs 64, warmup 1, close_mosaic 5, seeds {', '.join(map(str, seeds))}. "
@@ -228,6 +230,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny version that only checks the benchmark runs")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--epochs", type=int, help=f"train this many epochs instead of {FULL['epochs']}; the report "
+                        "goes to benchmarks/fidelity-<epochs>/ unless --out says otherwise")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="only write the report from the runs already kept")
     parser.add_argument("--out", type=Path, help="folder for fidelity.{md,json,png}: benchmarks/, or a temporary one")
     parser.add_argument("--revalidate", nargs="+", type=Path, default=[], metavar="DIR",
@@ -236,8 +240,9 @@ def main() -> None:
     a = parser.parse_args()
     if a.smoke:
         a.configs, a.seeds = ["b64", "ultralytics-b8"], [0, 1]  # both trainers, and the reference to pair with
-    a.out = a.out or (Path(tempfile.mkdtemp()) if a.smoke else HERE)
-    size = SMOKE if a.smoke else FULL
+    size = {**(SMOKE if a.smoke else FULL), **({"epochs": a.epochs} if a.epochs else {})}
+    if a.out is None:  # runs of another length report apart, beside the main report
+        a.out = Path(tempfile.mkdtemp()) if a.smoke else HERE / f"fidelity-{a.epochs}" if a.epochs else HERE
     a.out.mkdir(parents=True, exist_ok=True)
     store = a.out / "fidelity.json"
     saved = json.loads(store.read_text()) if store.exists() else {}
