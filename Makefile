@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 # The embedded default run: shapes (generated on first use), yolo26n at 160 px, batch 8 accumulated to nbs 64.
 train: install
-	$(BIN)/yoloaccum train data=datasets/shapes.yaml model=yolo26n.yaml imgsz=160 batch=8 nbs=64 epochs=30 \
+	$(BIN)/yoloaccum train data=datasets/shapes.yaml model=yolo26n.yaml imgsz=160 batch=8 nbs=64 epochs=35 \
 		workers=2 warmup_epochs=1 close_mosaic=5 project=runs/train name=shapes
 
 test: install
