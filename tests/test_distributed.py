@@ -69,7 +69,9 @@ def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
             f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", "-m", "yoloaccum",
             "train", f"project={tmp_path}", "name=nodes", *exact_args, "batch=4", "nbs=16"]  # fmt: skip
-    env = offline_env({"GLOO_SOCKET_IFNAME": "lo"})
+    # One thread a rank, as torchrun sets when it starts several on one machine: with one each it does not, and two
+    # launchers of two threads each on a 2-core runner made this test two to three times slower.
+    env = offline_env({"GLOO_SOCKET_IFNAME": "lo", **SERIAL})
     nodes = [subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip
     errors = [n.communicate(timeout=600)[1] for n in nodes]
