@@ -88,7 +88,7 @@ def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) ->
     model = checkpoint.model_of(checkpoint.load(weights, trust=True))
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
     out = {"raw": _pick(evaluator.evaluate(model))}
-    images = data_.stacked_images(data_.build_bn_loader(cfg, spec, 16, 0, 1, cpu), cfg.imgsz)
+    images = data_.precise_bn_images(cfg, spec, 0, 1)
     precise_bn.recompute_images(model, images, distributed.Context(0, 0, 1, cpu))  # as the trainer does
     out["precise"] = _pick(evaluator.evaluate(model))
     return out

@@ -110,27 +110,65 @@ def test_training_is_the_same_with_and_without_precise_statistics(tmp_path, run_
     assert torch.equal(final_weights(tmp_path / "pbn0"), final_weights(tmp_path / "pbn16"))
 
 
-def test_the_kept_images_give_the_statistics_of_loading_them_again(tmp_path):
-    """The trainer loads precise_bn's images once and keeps them: every recompute, from the kept images, gives what
-    loading them afresh through the loader gives, and keeping them draws no random number that training uses."""
+def _draw_settings(data, tmp_path, **changes):
     from yoloaccum import config
-    from yoloaccum.engine import model_input
+
+    settings = {"data": str(data), "model": "yolo26n.yaml", "imgsz": 64, "batch": 4, "precise_bn": 10, "workers": 0,
+                "plots": False, "project": str(tmp_path), **changes}  # fmt: skip
+    return config.resolve(overrides=settings)
+
+
+def _random_states():
+    import random
+
+    import numpy as np
+
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()
+
+
+def test_the_kept_images_are_drawn_from_the_seed_alone_and_leave_training_random_states(tmp_path):
+    """The trainer draws precise_bn's images once and keeps them: drawing them again gives the same images (so a
+    resumed run recomputes over the same ones), and drawing them leaves every random state training uses."""
+    from yoloaccum import data
     from yoloaccum.trainer import Trainer
 
-    data = shapes_yaml(tmp_path, num_train=12, num_val=4)
-    settings = {"data": str(data), "model": "yolo26n.yaml", "imgsz": 64, "batch": 4, "precise_bn": 10, "workers": 0,
-                "plots": False, "project": str(tmp_path)}  # fmt: skip
-    cfg = config.resolve(overrides=settings)
+    cfg = _draw_settings(shapes_yaml(tmp_path, num_train=12, num_val=4), tmp_path)
     trainer = Trainer(cfg, None, None)
-    fresh = copy.deepcopy(trainer.ema.ema)
-    random_state = torch.get_rng_state()
+    before = _random_states()
     trainer.recompute_bn()
-    assert torch.equal(torch.get_rng_state(), random_state)
+    assert _random_states() == before
     assert trainer.bn_images.shape == (10, 3, 64, 64) and trainer.bn_batch == precise_bn.BATCH
-    precise_bn.recompute(fresh, [model_input(torch.cat([b["img"] for b in trainer.bn_loader]), CPU.device)], CPU)
-    trainer.recompute_bn()  # from the kept images
-    for kept, loaded in zip(precise_bn.bn_layers(trainer.ema.ema), precise_bn.bn_layers(fresh)):
-        assert torch.equal(kept.running_mean, loaded.running_mean) and torch.equal(kept.running_var, loaded.running_var)
+    assert torch.equal(trainer.bn_images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
+    torch.manual_seed(123)  # another moment of training: the draws do not depend on it
+    assert torch.equal(trainer.bn_images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
+
+
+def test_the_images_are_the_same_on_any_number_of_ranks(tmp_path):
+    """Every rank draws the same N augmented images and keeps its share, so 2 ranks' statistics are 1 process's."""
+    from yoloaccum import data
+
+    cfg = _draw_settings(shapes_yaml(tmp_path, num_train=12, num_val=4), tmp_path, precise_bn=9)
+    spec = data.load_spec(cfg.data)
+    one, first, second = (data.precise_bn_images(cfg, spec, rank, world) for rank, world in ((0, 1), (0, 2), (1, 2)))
+    assert one.shape == (9, 3, 64, 64) and first.shape[0] == 5 and second.shape[0] == 4
+    assert torch.equal(one[0::2], first) and torch.equal(one[1::2], second)
+
+
+def test_augmented_images_follow_the_recipe_and_plain_ones_are_letterboxed(tmp_path):
+    """precise_bn_aug draws the recipe's augmentation, mosaic included (mosaic=0 draws other images); without it the
+    images are the letterboxed ones inference sees, whatever the recipe's augmentation."""
+    from yoloaccum import data
+
+    yaml_file = shapes_yaml(tmp_path, num_train=12, num_val=4)
+    spec = data.load_spec(yaml_file)
+
+    def draw(**changes):
+        return data.precise_bn_images(_draw_settings(yaml_file, tmp_path, **changes), spec, 0, 1)
+
+    mosaic, single = draw(), draw(mosaic=0.0)
+    plain = draw(precise_bn_aug=False)
+    assert not torch.equal(mosaic, single) and not torch.equal(mosaic, plain)
+    assert torch.equal(plain, draw(precise_bn_aug=False, mosaic=0.0, hsv_v=0.0))
 
 
 def test_one_batch_of_all_images_gives_each_layer_what_it_sees_at_inference():

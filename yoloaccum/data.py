@@ -275,28 +275,24 @@ def build_loader(
     )
 
 
-def build_bn_loader(
-    cfg: Config, spec: DatasetSpec, batch: int, rank: int, world: int, device: torch.device
-) -> DataLoader:
-    """This rank's share of the cfg.precise_bn training images that BatchNorm statistics are recomputed on: the first
-    ones of the seed's permutation, without augmentation, the same images at every recompute."""
-    from torch.utils.data import Subset
+def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> torch.Tensor:
+    """This rank's share of the cfg.precise_bn training images that BatchNorm statistics are recomputed on, as one
+    uint8 tensor (its share of N) x 3 x imgsz x imgsz: the first N of the seed's permutation of the training set.
 
-    dataset = build_dataset(cfg, spec, "train", augment=False)
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))
-    chosen = order[: cfg.precise_bn].tolist()
-    return DataLoader(
-        Subset(dataset, chosen[rank::world]),
-        batch_size=batch,
-        num_workers=loader_workers(cfg.workers, device),
-        collate_fn=dataset.collate_fn,
-        pin_memory=device.type == "cuda",
-        generator=torch.Generator(),  # its iterator draws a seed: from its own generator, not the training RNG
-    )
+    With cfg.precise_bn_aug each is drawn as the recipe's training augmentation draws it, mosaic included whatever
+    close_mosaic does later (measured best: docs/accuracy.md); without, letterboxed only, as inference sees it.
+    Every rank draws all N in one sequence seeded by cfg.seed and keeps every world-th, so the images, and the
+    statistics, do not depend on how many ranks share them. Training's random states are left as they were."""
+    import random
 
+    import numpy as np
 
-def stacked_images(loader: DataLoader, imgsz: int) -> torch.Tensor:
-    """Every image a loader of letterboxed images gives, as one uint8 tensor N x 3 x imgsz x imgsz; N is 0 for a
-    rank that build_bn_loader gave no images (it still joins precise_bn's all-reduce)."""
-    batches = [b["img"] for b in loader]
-    return torch.cat(batches) if batches else torch.zeros(0, 3, imgsz, imgsz, dtype=torch.uint8)
+    from yoloaccum.resume import rng_kept
+
+    with rng_kept():
+        dataset = build_dataset(cfg.replace(cache=False), spec, "train", augment=cfg.precise_bn_aug)
+        random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)  # Ultralytics' transforms draw
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.precise_bn]
+        images = [dataset[i]["img"] for i in order.tolist()]
+    mine = images[rank::world]
+    return torch.stack(mine) if mine else torch.zeros(0, 3, cfg.imgsz, cfg.imgsz, dtype=torch.uint8)

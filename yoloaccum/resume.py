@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from yoloaccum import checkpoint, schedule
-from yoloaccum.config import Config, parse_args
+from yoloaccum.config import Config, parse_args, schema
 from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
 
@@ -83,7 +83,8 @@ def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
                 f"drop {key}= to resume, or start a new run with pretrained={path}"
             )
     changes = {k: v for k, v in given.items() if k in MAY_CHANGE or k == "epochs"}
-    return Config(saved).replace(**{**changes, "resume": str(path)}), ckpt, path
+    added = {k.name: k.default for k in schema().values() if k.name not in saved}  # keys newer than the run
+    return Config({**added, **saved}).replace(**{**changes, "resume": str(path)}), ckpt, path
 
 
 def resumed_schedule(state: dict[str, Any], built: Schedule, nc: int) -> Schedule:

@@ -107,12 +107,8 @@ class Trainer:
         self.optimizer = self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
         val_batch = self.schedule.micro_batch * 2  # rank 0 validates alone, on one device
-        self.bn_loader, self.bn_images = None, None  # precise_bn's images: loaded at its first recompute, then kept
+        self.bn_images: torch.Tensor | None = None  # precise_bn's images: drawn at its first recompute, then kept
         self.bn_batch = precise_bn.BATCH  # its micro-batch, until one runs out of memory
-        if cfg.precise_bn:  # building a dataset draws random numbers: put them back, so training is the same either way
-            with resume.rng_kept():
-                self.bn_loader = data.build_bn_loader(cfg, self.spec, val_batch, self.ctx.rank, self.ctx.world_size,
-                                                      self.ctx.device)  # fmt: skip
         self.evaluator = Evaluator(cfg, self.spec, self.run.path, val_batch, self.ctx.device) if self.run else None
         # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
@@ -240,7 +236,7 @@ class Trainer:
         ended = "final" if final else None
         # Every rank takes part (the statistics are summed over ranks), so this rests on what every rank knows; a
         # validation that only early stopping asks for (val=False) uses the statistics training left.
-        if self.bn_loader is not None and (self.cfg.val or final):
+        if self.cfg.precise_bn and (self.cfg.val or final):
             self.recompute_bn()
         self._gather_rank_states()
         if self.run is not None:
@@ -261,13 +257,12 @@ class Trainer:
         return ("patience", "final")[final] if self._agree(ended is not None) else None
 
     def recompute_bn(self) -> None:
-        """Precise BatchNorm statistics for the EMA model, the one validated and saved. Its images are loaded at the
-        first recompute and kept, letterboxed (N x 3 x imgsz^2 bytes: 20 MB for 256 images at 160 px, 315 MB at 640).
-        Loading them draws random numbers (Ultralytics' transforms do, even unaugmented): they are put back, so
-        training is the same with and without precise_bn."""
+        """Precise BatchNorm statistics for the EMA model, the one validated and saved. Its images are drawn at the
+        first recompute, from the seed alone, and kept (N x 3 x imgsz^2 bytes: 20 MB for 256 images at 160 px, 315 MB
+        at 640); drawing them leaves training's random states as they were, so training is the same with and
+        without precise_bn, and a resumed run draws the same images."""
         if self.bn_images is None:
-            with resume.rng_kept():
-                self.bn_images = data.stacked_images(self.bn_loader, self.cfg.imgsz)
+            self.bn_images = data.precise_bn_images(self.cfg, self.spec, self.ctx.rank, self.ctx.world_size)
         self.bn_batch = precise_bn.recompute_images(self.ema.ema, self.bn_images, self.ctx, self.bn_batch)
 
     def _agree(self, stop: bool) -> bool:
