@@ -161,19 +161,20 @@ def summarise(runs: dict, configs: list[str], seeds: list[int]) -> dict:
     return out
 
 
-def report(summary: dict, size: dict, seeds: list[int], minutes: float) -> str:
-    """The markdown table: a row per configuration and BatchNorm variant, with each seed that has run."""
+def report(summary: dict, size: dict, seeds: list[int], minutes: float, flags: str = "") -> str:
+    """The markdown table: a row per configuration and BatchNorm variant, with each seed that has run. `flags`: the
+    command's options that chose the runs' settings, for the title."""
 
     def f(x):
         return "–" if x is None else f"{x:+.3f}"
 
     lines = [
-        f"# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py`"
-        f"{'' if size['epochs'] in (FULL['epochs'], SMOKE['epochs']) else ' --epochs ' + str(size['epochs'])})",
+        f"# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py{flags}`)",
         "",
         f"Shapes set, {size['images']} training and {size['val_images']} validation images at {size['imgsz']} px, "
         f"yolo26n, {size['epochs']} epochs, nbs 64, warmup 1, close_mosaic 5, seeds {', '.join(map(str, seeds))}. "
-        f"raw: the EMA's BatchNorm statistics as trained; precise: recomputed over all training images. "
+        f"raw: the EMA's BatchNorm statistics as trained; precise: recomputed over all training images, drawn as "
+        f"precise_bn draws them by default (the recipe's augmentation, mosaic included). "
         f"Paired difference: against {REFERENCE} (a real batch of 64) with the same seed and variant, 95% t interval. "
         f"The runs reported took {minutes:.0f} min of training and validation in all; the last column is a run's "
         f"median, one run at a time on the 2-core CPU machine.",
@@ -266,7 +267,8 @@ def main() -> None:
     seconds = sum(r["seconds"] for name in a.configs for r in runs.get(name, {}).values())
     seeds = [s for s in a.seeds if any(str(s) in runs.get(name, {}) for name in a.configs)]  # those that ran
     summary = summarise(runs, a.configs, seeds)
-    (a.out / "fidelity.md").write_text(report(summary, size, seeds, seconds / 60))
+    flags = f" --epochs {a.epochs}" if a.epochs else ""
+    (a.out / "fidelity.md").write_text(report(summary, size, seeds, seconds / 60, flags))
     plot(runs, a.configs, a.out / "fidelity.png")
     print((a.out / "fidelity.md").read_text())
     print(f"written: {a.out / 'fidelity.md'}, fidelity.json, fidelity.png")

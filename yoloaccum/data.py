@@ -291,7 +291,9 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
 
     with rng_kept():
         dataset = build_dataset(cfg.replace(cache=False), spec, "train", augment=cfg.precise_bn_aug)
-        random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)  # Ultralytics' transforms draw
+        random.seed(cfg.seed)  # Ultralytics' transforms draw from all three generators
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.precise_bn]
         images = [dataset[i]["img"] for i in order.tolist()]
     mine = images[rank::world]

@@ -14,7 +14,7 @@ statistics of all N images of its input, which are the ones the recompute gives 
 micro-batches add their own statistics' noise to every layer downstream: micro-batches of 16 left a run buried in
 false positives, and micro-batches of 64 rescued it, as far as one batch of all 256 images did (docs/accuracy.md).
 So the pass runs in micro-batches of BATCH images, halved while a device runs out of memory. Its cost is one forward
-pass over N images, with no augmentation (the images inference sees).
+pass over N images. Which images: data.precise_bn_images (by default as the recipe's augmentation draws them).
 """
 
 from __future__ import annotations
