@@ -23,6 +23,11 @@ from yoloaccum import backoff, distributed, optim
 from yoloaccum.distributed import Context
 from yoloaccum.schedule import Schedule
 
+# With AMP, a window whose gradients overflowed counts towards nan_patience only once the scaler has halved its scale
+# below this: until then they overflowed because they were scaled up, which is GradScaler finding its scale (it starts
+# at 2**16), not a divergence. A run whose gradients are NaN for ever gets there after 17 halvings.
+AMP_SCALE_FLOOR = 1.0
+
 # Called after every micro-batch: (i, loss items, images, window fill, window size, lr).
 OnMicroStep = Callable[[int, torch.Tensor, int, int, int, float], None]
 
@@ -45,6 +50,7 @@ class Engine:
     scaler: torch.amp.GradScaler
     ema: Any = None  # ultralytics ModelEMA, or None
     amp: bool = False
+    amp_dtype: torch.dtype = torch.float16  # autocast's type with amp: fp16, which GradScaler exists for
     no_sync: bool = True  # False all-reduces after every micro-batch, as Ultralytics does (for benchmarks)
     nan_patience: int = 0  # stop after this many consecutive skipped windows; 0 never stops
     log: Callable[[str], None] = lambda message: None
@@ -109,7 +115,7 @@ class Engine:
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
         batch["img"] = model_input(batch["img"], self.ctx.device)
-        with torch.autocast(self.ctx.device.type, enabled=self.amp):
+        with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp):
             preds = self.model(batch["img"])
             loss, items, counts = self.loss(preds, batch)
         c = self.window_counts
@@ -122,8 +128,9 @@ class Engine:
     def step(self, ni: int, stop_requested: bool = False) -> bool:
         """End a window: normalise, unscale, clip, step, zero_grad, EMA, once each. Returns whether to stop.
 
-        A window whose loss or gradient is not finite is skipped: no step, gradients zeroed. (With AMP the scaler
-        handles overflowing gradients itself; only a non-finite loss counts as skipped then.)
+        A window whose loss or unscaled gradient is not finite is skipped: no step, no EMA update, BatchNorm
+        statistics put back, gradients zeroed. With AMP an overflow shows as a non-finite norm of the unscaled
+        gradients, the same test GradScaler.step makes, so one rule covers both; the scaler then halves its scale.
         """
         c = self.window_counts
         c.stop_votes.fill_(float(stop_requested))
@@ -134,47 +141,77 @@ class Engine:
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad, foreach=True)
         images, bad_losses, stop_votes, norm = torch.cat([c.images, c.non_finite_losses, c.stop_votes,
                                                           norm.float().reshape(1)]).tolist()  # sync  # fmt: skip
-        finite = bad_losses == 0 and (self.amp or math.isfinite(norm))
+        finite = bad_losses == 0 and math.isfinite(norm)
         optim.set_hyperparameters(self.optimizer, self.schedule, ni)  # also for a skipped step: schedule.csv logs it
-        if finite or self.amp:
-            self.scaler.step(self.optimizer)  # with AMP, skips by itself when the gradients overflowed
-            self.scaler.update()
+        if finite:
+            self.scaler.step(self.optimizer)  # the gradients are finite, so it steps
+        self.scaler.update()  # after unscale_, also when skipped: an overflow halves the scale (a no-op without AMP)
         self.optimizer.zero_grad(set_to_none=True)
         if finite:
             if self.ema is not None:
                 self.ema.update(self.raw_model)
             self.skipped_in_a_row = 0
         else:
-            for b, saved in zip(self.raw_model.buffers(), self.buffers_at_window_start):
-                b.copy_(saved)
-            self.skipped.append(ni)
-            self.skipped_in_a_row += 1
-            self.log(f"iteration {ni}: non-finite loss or gradient, window skipped ({len(self.skipped)} so far)")
+            self._skip(ni, "loss" if bad_losses else "gradient")
         self.history.append(StepRecord.of(ni, self.micro_batches_in_window, int(images), self.optimizer, finite))
         c.tensor.zero_()
         self.micro_batches_in_window = 0
         return stop_votes > 0
 
+    def _skip(self, ni: int, what: str) -> None:
+        """A window not stepped: its BatchNorm statistics put back, and counted towards nan_patience unless it is AMP
+        calibrating its scale (an overflow of gradients that were scaled up; GradScaler starts at 2**16)."""
+        for b, saved in zip(self.raw_model.buffers(), self.buffers_at_window_start):
+            b.copy_(saved)
+        self.skipped.append(ni)
+        scale = self.scaler.get_scale() if self.amp else 1.0  # after update(): halved if it overflowed
+        if not (self.amp and what == "gradient" and scale >= AMP_SCALE_FLOOR):
+            self.skipped_in_a_row += 1
+        amp = f"; AMP scale now {scale:g}" if self.amp else ""
+        self.log(f"iteration {ni}: non-finite {what}, window skipped ({len(self.skipped)} so far{amp})")
+
     def open_window(self) -> dict[str, Any] | None:
         """This rank's part of a window still open (remainder=carry at an epoch's end), on the host, for last.pt: its
-        accumulated gradients, counts and the BatchNorm buffers from its start; None when no window is open."""
+        accumulated gradients (scaled by `scale` under AMP), counts and the BatchNorm buffers from its start; None when
+        no window is open."""
         if self.micro_batches_in_window == 0:
             return None
         grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.raw_model.parameters()]
-        return {"grads": grads, "counts": self.window_counts.tensor.cpu(),
+        return {"grads": grads, "counts": self.window_counts.tensor.cpu(), "scale": self._scale(),
                 "micro_batches": self.micro_batches_in_window,
                 "buffers": [b.cpu() for b in self.buffers_at_window_start]}  # fmt: skip
 
     def restore_window(self, window: dict[str, Any] | None) -> None:
-        """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts."""
+        """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts. Its
+        gradients are brought to this run's AMP scale (resuming with AMP switched on or off, or another scale), so that
+        the micro-batches still to come add to gradients scaled as theirs are."""
         if window is None:
             return
+        rescale = self._scale() / window.get("scale", 1.0)  # a window written before "scale" was kept: without AMP
         for p, g in zip(self.raw_model.parameters(), window["grads"], strict=True):
             p.grad = None if g is None else torch.empty_like(p).copy_(g)  # empty_like: the parameter's layout
+            if p.grad is not None and rescale != 1.0:
+                p.grad.mul_(rescale)
         self.window_counts.tensor.copy_(window["counts"])
         self.buffers_at_window_start = [b.to(self.ctx.device) for b in window["buffers"]]
         self.micro_batches_in_window = window["micro_batches"]
         self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it
+
+    def _scale(self) -> float:
+        """What the loss is multiplied by before backward: GradScaler's scale with AMP, else 1."""
+        return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, state: dict[str, Any]) -> str | None:
+    """Load last.pt's GradScaler state into `scaler`, across AMP settings; returns a line saying what changed, if
+    anything. A run saved without AMP (every CPU run) holds an empty state, which GradScaler.load_state_dict refuses:
+    resumed with AMP, its scale starts where GradScaler starts. A run saved with AMP and resumed without drops it."""
+    if not scaler.is_enabled():
+        return "resuming without AMP: the saved loss scale is not used" if state else None
+    if not state:
+        return f"resuming with AMP a run that trained without it: the loss scale starts at {scaler.get_scale():g}"
+    scaler.load_state_dict(state)
+    return None
 
 
 def merge_windows(windows: list[dict[str, Any] | None]) -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ from yoloaccum import (
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config, is_auto_batch, resolve
-from yoloaccum.engine import Engine, EpochResult, merge_windows
+from yoloaccum.engine import Engine, EpochResult, load_scaler_state, merge_windows
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress, StepLog
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
@@ -377,7 +377,8 @@ class Trainer:
         self.ema.ema.load_state_dict(state["ema"])
         self.ema.updates = ckpt["updates"]
         self.optimizer.load_state_dict(state["optimizer"])
-        self.engine.scaler.load_state_dict(state["scaler"])
+        if (note := load_scaler_state(self.engine.scaler, state["scaler"])) and self.run is not None:
+            self.run.console.print(note)
         self.stopper.best_fitness = state["stopper"]["best_fitness"]
         self.stopper.best_epoch = state["stopper"]["best_epoch"]
         self.best_fitness = ckpt["best_fitness"]
