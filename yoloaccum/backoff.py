@@ -19,15 +19,39 @@ from yoloaccum.schedule import even_cuts
 # Per-label tensors of a collated detection batch, indexed by batch_idx rather than by image.
 LABEL_KEYS = ("batch_idx", "cls", "bboxes")
 
+# CUDA reports some allocation failures as other errors: cuBLAS and cuDNN allocate workspaces of their own, and fail
+# with these texts when the device is full. Ultralytics' trainer treats the same texts as out of memory.
+OUT_OF_MEMORY_TEXTS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_INTERNAL_ERROR", "CUDNN_STATUS_ALLOC_FAILED",
+                       "unable to find an engine")  # fmt: skip
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether an error means the device ran out of memory: torch.OutOfMemoryError, or a CUDA library's failure to
+    allocate (OUT_OF_MEMORY_TEXTS)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and any(text in str(e) for text in OUT_OF_MEMORY_TEXTS)
+
+
+def has_sync_bn(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+
 
 def micro_steps(engine, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:
     """Forward and backward loader batch ni, the newest of engine.window_batches. On an out-of-memory error, back off
     and run the window again from its first batch, as often as it takes; returns the loss items of batch ni."""
     try:
         return iteration(engine, ni, batch, last_in_window)
-    except torch.OutOfMemoryError:
-        pass
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
     # Outside the except block: its traceback, whose frames hold the failed step's tensors, is gone.
+    if engine.ctx.world_size > 1 and has_sync_bn(engine.model):
+        raise UserError(  # this rank would run more micro-steps than the others: their collectives would not match
+            f"out of memory at iteration {ni} with bn=sync: under DDP one rank cannot run its batch as smaller "
+            "micro-batches, since SyncBatchNorm's collectives must match on every rank; resume with "
+            "grad_checkpointing=True or a smaller batch"
+        )
     if last_in_window and engine.ctx.world_size > 1:
         raise UserError(  # DDP's reducer may have started all-reducing this backward's buckets: no way back
             f"out of memory at iteration {ni}, in the backward that all-reduces the window's gradients, which cannot "
@@ -42,12 +66,16 @@ def micro_steps(engine, ni: int, batch: dict[str, Any], last_in_window: bool) ->
     failed = ni
     while True:
         back_off(engine, failed)
-        first = ni - len(window) + 1
+        first, k = ni - len(window) + 1, 0
         try:
+            if engine.after_back_off is not None:  # compile=: the new micro-batch sizes, before they run
+                engine.after_back_off()
             for k, b in enumerate(window):
                 items = iteration(engine, first + k, b, last_in_window and k == len(window) - 1)
             return items
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
             failed = first + k
 
 

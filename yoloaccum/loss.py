@@ -19,15 +19,27 @@ from torch import nn
 from yoloaccum.errors import UserError
 
 
+def _quiet(message: str) -> None:
+    pass
+
+
 class _TargetScoreSum:
     """Wraps a TaskAlignedAssigner to keep the target-score sum T of the last call, on the device (no host sync)."""
 
     def __init__(self, assigner: nn.Module):
         self.assigner = assigner
         self.last: torch.Tensor | None = None
+        self.log: Callable[[str], None] = _quiet
 
     def __call__(self, *args, **kwargs):
+        # Ultralytics' assigner catches its own out-of-memory error and assigns one image at a time instead (the same
+        # targets, slower), warning through its logger, which yoloaccum keeps quiet: say it here, once.
+        warned = getattr(self.assigner, "_oom_warned", True)
         out = self.assigner(*args, **kwargs)
+        if not warned and getattr(self.assigner, "_oom_warned", False):
+            self.log("[yellow]warning:[/] the loss's target assignment ran out of device memory and now assigns one "
+                     "image at a time (the same targets, slower); a smaller batch or grad_checkpointing=True avoids "
+                     "it")  # fmt: skip
         self.last = out[2].detach().sum()  # (_, target_bboxes, target_scores, fg_mask, target_gt_idx)
         return out
 
@@ -80,6 +92,11 @@ class WindowLoss:
         groups = [[p for p in params if id(p) not in one2one], [p for p in params if id(p) in one2one]]
         self._param_groups = groups[: len(self.branches)]
         assert sum(map(len, self._param_groups)) == len(params)
+
+    def set_log(self, log: Callable[[str], None]) -> None:
+        """Where the loss says what it changed by itself (its assigner's out-of-memory fallback)."""
+        for b in self.branches:
+            b.tss.log = log
 
     def param_groups(self) -> list[list[nn.Parameter]]:
         """The parameters each branch trains, in branch order; disjoint, and together all trainable parameters."""

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from yoloaccum import distributed
+from yoloaccum import backoff, distributed
 from yoloaccum.distributed import Context
 from yoloaccum.engine import model_input
 
@@ -93,8 +93,8 @@ def recompute_images(model: nn.Module, images: torch.Tensor, ctx: Context, batch
             parts = images.split(batch) if len(images) else ()  # a rank with no images still joins the all-reduce
             recompute(model, (model_input(x, ctx.device) for x in parts), ctx)
             return batch
-        except torch.OutOfMemoryError:
-            if batch == 1:
+        except RuntimeError as e:
+            if not backoff.is_out_of_memory(e) or batch == 1:
                 raise
             batch //= 2
             torch.cuda.empty_cache()

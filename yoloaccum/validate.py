@@ -6,6 +6,7 @@ the numbers are Ultralytics', and a test checks they agree with its standalone v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from yoloaccum import checkpoint, config, data, distributed
+from yoloaccum import backoff, checkpoint, config, data, distributed
 from yoloaccum.config import Config
 from yoloaccum.data import DatasetSpec
 from yoloaccum.errors import UserError
@@ -25,7 +26,8 @@ METRIC_KEYS = ("metrics/precision(B)", "metrics/recall(B)", "metrics/mAP50(B)", 
 class Evaluator:
     """Validates a model on one split; `evaluate(model, criterion)` returns Ultralytics' metric dict (+ val losses)."""
 
-    def __init__(self, cfg: Config, spec: DatasetSpec, save_dir: Path, batch: int, device: torch.device):
+    def __init__(self, cfg: Config, spec: DatasetSpec, save_dir: Path, batch: int, device: torch.device,
+                 log: Callable[[str], None] = print):  # fmt: skip
         from ultralytics.models.yolo.detect import DetectionValidator
 
         args = ultralytics_args(cfg, mode="val", batch=batch, conf=cfg.conf or 0.001, data=str(spec.yaml_file),
@@ -33,19 +35,40 @@ class Evaluator:
         self.validator = v = DetectionValidator(save_dir=save_dir, args=args)
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: no JSON; plots only when asked
-        paths = v.data[cfg.split]
+        self.yaml_file, self.split, self.log = spec.yaml_file, cfg.split, log
+        self.set_batch(batch)
+
+    def set_batch(self, batch: int) -> None:
+        """Validate in batches of `batch` images from now on (a new loader)."""
+        v, self.batch = self.validator, batch
+        paths = v.data[self.split]
         try:
             v.dataloader = v.get_dataloader(paths if len(paths) > 1 else paths[0], batch)
         except FileNotFoundError as e:
-            raise UserError(f"{spec.yaml_file}: no images found for {cfg.split} in {', '.join(paths)}") from e
+            raise UserError(f"{self.yaml_file}: no images found for {self.split} in {', '.join(paths)}") from e
 
-    @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, criterion=None, plots: bool = False) -> dict[str, float]:
         """Metrics of `model` (eval mode, fp32); val losses too when the training criterion is given.
 
         With plots, Ultralytics' validator also draws into save_dir what its final validation draws: the first three
         batches with their labels and predictions, both confusion matrices, and the PR, F1, P and R curves.
+        On running out of device memory the whole validation runs again at half the batch (validation changes no
+        state, so it can), and later validations keep the smaller batch.
         """
+        while True:
+            try:
+                return self._evaluate(model, criterion, plots)
+            except RuntimeError as e:
+                if not backoff.is_out_of_memory(e) or self.batch == 1:
+                    raise
+            # outside the except block, so that the failed batch's tensors are freed with its traceback
+            if self.validator.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.log(f"validation ran out of memory at {self.batch} images a batch; validating at {self.batch // 2}")
+            self.set_batch(self.batch // 2)
+
+    @torch.no_grad()
+    def _evaluate(self, model: torch.nn.Module, criterion, plots: bool) -> dict[str, float]:
         v = self.validator
         was_training = model.training
         model.eval()
@@ -53,22 +76,24 @@ class Evaluator:
         v.args.plots = plots  # read by init_metrics, update_metrics (confusion matrix) and get_stats (curves)
         v.init_metrics(model)
         losses = None
-        for i, batch in enumerate(v.dataloader):
-            batch = v.preprocess(batch)
-            preds = model(batch["img"])
-            if criterion is not None:
-                items = torch.stack(list(criterion(preds, batch)[1].values()))
-                losses = items if losses is None else losses + items
-            detections = v.postprocess(preds)
-            v.update_metrics(detections, batch)
-            if plots and i < 3:
-                v.plot_val_samples(batch, i)
-                v.plot_predictions(batch, drawable(detections), i)
-        if plots:
-            v.finalize_metrics()  # draws the confusion matrices
-        stats = v.get_stats()
-        v.args.plots = False
-        model.train(was_training)
+        try:
+            for i, batch in enumerate(v.dataloader):
+                batch = v.preprocess(batch)
+                preds = model(batch["img"])
+                if criterion is not None:
+                    items = torch.stack(list(criterion(preds, batch)[1].values()))
+                    losses = items if losses is None else losses + items
+                detections = v.postprocess(preds)
+                v.update_metrics(detections, batch)
+                if plots and i < 3:
+                    v.plot_val_samples(batch, i)
+                    v.plot_predictions(batch, drawable(detections), i)
+            if plots:
+                v.finalize_metrics()  # draws the confusion matrices
+            stats = v.get_stats()
+        finally:  # also when a batch ran out of memory: evaluate() runs again from a model in its own mode
+            v.args.plots = False
+            model.train(was_training)
         out = {k: float(stats[k]) for k in (*METRIC_KEYS, "fitness")}
         if losses is not None:
             names = getattr(criterion, "one2one", criterion).loss_names
