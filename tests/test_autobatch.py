@@ -4,9 +4,10 @@ the real CLI. The CUDA measurement itself needs a GPU."""
 import csv
 import json
 
+import pytest
 from conftest import shapes_yaml
 
-from yoloaccum.autobatch import GIB, fit
+from yoloaccum.autobatch import GIB, fit, micro_batch_cap, state_bytes
 
 
 def test_fit_takes_the_fraction_of_free_memory_by_a_linear_fit():
@@ -39,3 +40,52 @@ def test_train_with_batch_from_memory_runs_and_says_so(tmp_path, run_cli):
     assert "micro-batch 16 × accumulate 2" in r.stdout and "micro-batch from memory: batch=0.7" in r.stdout
     (row,) = csv.DictReader((tmp_path / "auto/results.csv").open())
     assert (float(row["micro_batch"]), float(row["accumulate"])) == (16, 2)
+
+
+def test_batch_from_memory_never_exceeds_nbs():
+    """On a large GPU the fit could choose more than nbs (up to the dataset), so accumulate fell to 1 and the
+    effective batch was no longer the recipe's."""
+    assert micro_batch_cap(nbs=64, num_images=118_287, world_size=1) == 64
+    assert micro_batch_cap(nbs=64, num_images=118_287, world_size=4) == 16
+    assert micro_batch_cap(nbs=64, num_images=20, world_size=1) == 20
+    assert micro_batch_cap(nbs=2, num_images=100, world_size=4) == 1
+
+
+def test_the_fit_leaves_room_for_the_optimizer_state_and_ddp_buckets():
+    """Memory the probe's micro-step does not hold: AdamW's two moments, SGD's momentum, DDP's gradient buckets."""
+    from torch import nn
+
+    model = nn.Linear(1000, 1000)  # 1001000 float32 weights
+    weights = 1001000 * 4
+    assert state_bytes(model, "SGD", 1) == weights
+    assert state_bytes(model, "adamw", 1) == 2 * weights
+    assert state_bytes(model, "AdamW", 2) == 3 * weights
+
+
+def test_on_the_cpu_the_stated_default_stays_within_nbs(run_cli):
+    r = run_cli("plan", "batch=-1", "nbs=8", "images=1000", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["summary"]
+    assert (s["batch"], s["accumulate"], s["effective_batch"]) == (8, 1, 8)
+
+
+@pytest.mark.cuda
+def test_a_cuda_library_allocation_failure_in_the_probe_counts_as_did_not_fit():
+    import torch
+    from ultralytics.nn.tasks import DetectionModel
+
+    from yoloaccum import config, loss
+    from yoloaccum.autobatch import measure
+    from yoloaccum.ultra import ultralytics_args
+
+    device = torch.device("cuda", 0)
+    model = DetectionModel("yolo26n.yaml", nc=4, verbose=False).to(device).train()
+    model.args = ultralytics_args(config.resolve(overrides={}))
+
+    def full(module, args):
+        if args[0].shape[0] > 2:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    model.register_forward_pre_hook(full)
+    peaks = measure(model, loss.WindowLoss(model, "window"), 64, False, device, (1, 2, 4, 8), 4)
+    assert peaks[1] and peaks[2] and peaks[4] is None and 8 not in peaks

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from yoloaccum import distributed
+from yoloaccum import backoff, distributed
 from yoloaccum.config import Config, is_auto_batch
 from yoloaccum.distributed import Context
 from yoloaccum.engine import model_input
@@ -38,11 +38,12 @@ def fraction_of(batch: float) -> float:
 
 
 def cpu_choice(cfg: Config, world_size: int) -> Choice:
-    """On the CPU there is no device memory to measure: Ultralytics' default, stated as such."""
+    """On the CPU there is no device memory to measure: Ultralytics' default, stated as such (within nbs)."""
+    per_device = min(CPU_MICRO_BATCH, micro_batch_cap(cfg.nbs, 1 << 30, world_size))
     return Choice(
-        CPU_MICRO_BATCH * world_size,
-        f"batch={cfg.batch:g} measures CUDA memory; on the CPU the micro-batch is {CPU_MICRO_BATCH} per device, as in "
-        f"Ultralytics (give batch=N to choose)",
+        per_device * world_size,
+        f"batch={cfg.batch:g} measures CUDA memory; on the CPU the micro-batch is {per_device} per device, as in "
+        f"Ultralytics{' within nbs' if per_device < CPU_MICRO_BATCH else ''} (give batch=N to choose)",
     )
 
 
@@ -56,8 +57,9 @@ def choose(cfg: Config, ctx: Context, model: nn.Module, loss, amp: bool, max_obj
     available = free + torch.cuda.memory_reserved(ctx.device)  # what this process holds is available to it
     sizes = (1, 2, 4, 8, 16) if total < 16 * GIB else (1, 2, 4, 8, 16, 32, 64)
     peaks = measure(model, loss, cfg.imgsz, amp, ctx.device, sizes, max_objects)
-    cap = max(1, min(MAX_MICRO_BATCH, num_images // ctx.world_size))
-    per_device, per_image, base = fit(peaks, fraction * available, cap)
+    cap = micro_batch_cap(cfg.nbs, num_images, ctx.world_size)
+    held_later = state_bytes(model, cfg.optimizer, ctx.world_size)  # allocated after the probe, kept for the run
+    per_device, per_image, base = fit(peaks, fraction * available - held_later, cap)
     mine = per_device
     t = torch.tensor([per_device], device=ctx.device)
     if ctx.world_size > 1:  # a sync point, once per run: every rank takes the smallest device's micro-batch
@@ -82,6 +84,27 @@ def for_run(cfg: Config, ctx: Context, ckpt: dict | None, model: nn.Module, loss
     return choose(cfg, ctx, model, loss, amp, max_objects(dataset), len(dataset))
 
 
+def micro_batch_cap(nbs: int, num_images: int, world_size: int) -> int:
+    """The most images per device batch=-1 may choose: the global micro-batch stays within nbs, so accumulate is at
+    least 1 and the effective batch is the recipe's (as the README says), and within the dataset."""
+    return max(1, min(MAX_MICRO_BATCH, num_images // world_size, nbs // world_size))
+
+
+# Tensors the optimizer keeps per weight: momentum for SGD-type (MuSGD's orthogonalisation keeps no more), the two
+# moments for Adam-type; "auto" may choose AdamW.
+OPTIMIZER_SLOTS = {"SGD": 1, "MuSGD": 1, "RMSProp": 2, "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2,
+                   "auto": 2}  # fmt: skip
+
+
+def state_bytes(model: nn.Module, optimizer: str, world_size: int) -> int:
+    """Device memory the run holds beside what one micro-step peaks at, which the probe cannot see: the optimizer's
+    state (allocated at its first step), and under DDP the gradient buckets (one copy of the gradients). SyncBatchNorm
+    adds per-channel statistics only, which is nothing beside these."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    slots = {k.lower(): v for k, v in OPTIMIZER_SLOTS.items()}.get(str(optimizer).lower(), 2)
+    return weights * (slots + (world_size > 1))
+
+
 def fit(peaks: dict[int, int], budget: float, cap: int) -> tuple[int, float, float]:
     """Images per device whose peak memory, by a linear fit of the measured peaks, stays within budget bytes; never
     above a size that ran out of memory, nor above cap. Returns (images, bytes per image, bytes at zero images)."""
@@ -97,7 +120,10 @@ def fit(peaks: dict[int, int], budget: float, cap: int) -> tuple[int, float, flo
 
 def measure(model: nn.Module, loss, imgsz: int, amp: bool, device: torch.device, sizes: tuple[int, ...],
             max_objects: int) -> dict[int, int | None]:  # fmt: skip
-    """Peak bytes allocated by one micro-step at each size (None: out of memory, and no larger size is tried).
+    """Peak bytes one micro-step reserves at each size (None: out of memory, and no larger size is tried).
+
+    Reserved, not allocated: the caching allocator holds blocks beyond the tensors alive, and what it reserves is
+    what the device no longer has. A cuBLAS or cuDNN allocation failure counts as out of memory, as in the back-off.
 
     The micro-step is engine.Engine.micro_step's: model_input, forward and loss under autocast, backward. The model's
     gradients and BatchNorm statistics are put back as they were: probing changes nothing the run computes."""
@@ -114,8 +140,10 @@ def measure(model: nn.Module, loss, imgsz: int, amp: bool, device: torch.device,
             with torch.autocast(device.type, enabled=amp):
                 value = loss(model(batch["img"]), batch)[0]
             value.backward()
-            peaks[b] = torch.cuda.max_memory_allocated(device)
-        except torch.OutOfMemoryError:
+            peaks[b] = torch.cuda.max_memory_reserved(device)
+        except RuntimeError as e:
+            if not backoff.is_out_of_memory(e):
+                raise
             peaks[b] = None
         model.zero_grad(set_to_none=True)
         if peaks[b] is None:
