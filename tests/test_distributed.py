@@ -155,6 +155,7 @@ def test_a_failing_rank_ends_the_job(kind, tmp_path):
     assert ckpt["epoch"] == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, device=0,1 starts a real job")
 def test_several_cuda_devices_without_cuda_is_a_clear_error(run_cli, tmp_path):
     data = shapes_yaml(tmp_path, num_train=8, num_val=4)
     r = run_cli("train", f"data={data}", "device=0,1")

@@ -15,6 +15,7 @@ the checkpoints are those of the plain model, and DDP, no_sync and the EMA see t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from yoloaccum import data, distributed, resume, schedule
+from yoloaccum import backoff, data, distributed, resume, schedule
 from yoloaccum import model as model_
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
@@ -31,6 +32,20 @@ from yoloaccum.errors import UserError
 # One graph per micro-batch size (False), or one with a dynamic batch dimension (True): see docs/compile.md for
 # the measurement that chose it. A module setting rather than a key: users choose a mode, not a tracing strategy.
 DYNAMIC = False
+
+
+# Modes that record CUDA graphs on CUDA. Gradient accumulation meets them in ways never run here: gradients that alias
+# graph outputs, BatchNorm buffers mutated inside a graph, graph memory pools that the back-off's empty_cache() cannot
+# free. On the CPU inductor records no graphs, and these modes compile as the others do.
+CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+
+
+def check(cfg: Config) -> None:
+    """Refuse, before anything is built, a compile mode that would record CUDA graphs."""
+    mode = mode_of(cfg.compile)
+    if mode in CUDA_GRAPH_MODES and distributed.cuda_ids(cfg.device):
+        raise UserError(f"compile={mode} records CUDA graphs, which yoloaccum does not combine with gradient "
+                        "accumulation; use compile=True or compile=max-autotune-no-cudagraphs")  # fmt: skip
 
 
 def mode_of(value: bool | str) -> str | None:
@@ -75,7 +90,9 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
     try:
         with resume.rng_kept():  # compiling draws no training random numbers: make sure of it
             compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.amp, warn)
-    except torch.OutOfMemoryError as e:
+    except RuntimeError as e:
+        if not backoff.is_out_of_memory(e):
+            raise
         raise UserError(f"compile={mode} ran out of device memory compiling micro-batches of {sizes[0]}; train "
                         "with compile=False (which backs off by itself) or a smaller batch") from e  # fmt: skip
     compiled_ranks = torch.tensor([float(compiled is not None)], device=ctx.device)
@@ -86,6 +103,25 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
         return None
     say(f"compile: {compiled.describe()}")
     return compiled
+
+
+def after_back_off(compiled: Compiled, engine, num_images: int, imgsz: int, say: Callable[[str], None]) -> Compiled:
+    """Compile, as the warm-up before the first epoch does (random states and the model's buffers and gradients kept),
+    the micro-batch sizes an out-of-memory back-off has just made, so that none compiles inside a window. Returns
+    the Compiled with them added."""
+    loader_sizes = data.micro_batch_sizes(num_images, engine.schedule.micro_batch, engine.ctx.world_size)
+    new = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)} - set(compiled.batch_sizes),
+                 reverse=True)  # fmt: skip
+    if not new:
+        return compiled
+    start = time.perf_counter()
+    with resume.rng_kept():
+        for size in new:
+            warm_up(engine.raw_model, size, imgsz, engine.ctx.device, engine.amp)
+    seconds = time.perf_counter() - start
+    say(f"compile: compiled micro-batches of {' and '.join(map(str, new))} after the back-off in {seconds:.1f} s")
+    sizes = tuple(sorted({*compiled.batch_sizes, *new}, reverse=True))
+    return dataclasses.replace(compiled, batch_sizes=sizes, seconds=compiled.seconds + seconds)
 
 
 def compile_model(model: nn.Module, mode: str, batch_sizes: Iterable[int], imgsz: int, device: torch.device,

@@ -19,6 +19,10 @@ from torch import nn
 
 from yoloaccum.errors import Stalled, UserError
 
+# Seconds NCCL's watchdog waits beyond ddp_timeout before it aborts a collective by itself: long enough for the
+# window's own wait to time out first and name the hung rank.
+NCCL_WATCHDOG_MARGIN_S = 60
+
 
 @dataclass(frozen=True)
 class Context:
@@ -28,6 +32,7 @@ class Context:
     local_rank: int
     world_size: int
     device: torch.device
+    timeout_s: float = 1800  # ddp_timeout
 
     @property
     def is_main(self) -> bool:
@@ -102,14 +107,15 @@ def setup(device: str | None, timeout_s: float = 1800) -> Context:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = select_device(device, local_rank)
+    if dev.type == "cuda":  # also in one process on device=N: else the loader's pinning thread and torch.cuda's
+        torch.cuda.set_device(dev)  # current-device calls (RNG states among them) would make a context on GPU 0
     if world > 1 and not dist.is_initialized():
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-            # A timed-out NCCL collective then raises in this process, which bounded() names, rather than the
-            # watchdog aborting it; gloo always raises. The wait it adds is at the window's end, already a sync point.
-            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-    return Context(rank, local_rank, world, dev)
+        # NCCL keeps torch's watchdog and asynchronous error handling (TORCH_NCCL_BLOCKING_WAIT would block the host
+        # on every collective, SyncBatchNorm's included). The window's one host-side collective waits with ddp_timeout
+        # itself (all_reduce_sum), so a hung rank is named there; the watchdog's own timeout comes a little later.
+        pg_timeout = timeout_s + NCCL_WATCHDOG_MARGIN_S if dev.type == "cuda" else timeout_s
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=pg_timeout))
+    return Context(rank, local_rank, world, dev, timeout_s)
 
 
 def wrap(model: nn.Module, ctx: Context, bn: str) -> nn.Module:
@@ -135,8 +141,14 @@ def no_sync(model: nn.Module, skip: bool):
 
 
 def all_reduce_sum(t: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Sum t over ranks in place. On NCCL the host waits for it at most ddp_timeout, and a timeout raises here, in
+    this thread, where bounded() names the rank that did not come (gloo raises by itself)."""
     if ctx.world_size > 1:
-        dist.all_reduce(t)
+        work = dist.all_reduce(t, async_op=True)
+        if ctx.device.type == "cuda":
+            work.wait(timeout=timedelta(seconds=ctx.timeout_s))
+        else:
+            work.wait()
     return t
 
 
@@ -162,7 +174,7 @@ def bounded(ctx: Context, iteration: Callable[[], int], timeout_s: float):
     try:
         yield
     except RuntimeError as e:
-        if ctx.world_size < 2 or not re.search(r"timed out|timeout", str(e), re.IGNORECASE):
+        if ctx.world_size < 2 or not re.search(r"timed out|timeout|timing out", str(e), re.IGNORECASE):
             raise
         raise stalled(ctx, iteration(), timeout_s) from e
 

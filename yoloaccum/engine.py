@@ -21,6 +21,7 @@ from torch import nn
 
 from yoloaccum import backoff, distributed, optim
 from yoloaccum.distributed import Context
+from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
 
 # With AMP, a window whose gradients overflowed counts towards nan_patience only once the scaler has halved its scale
@@ -66,6 +67,7 @@ class Engine:
     # The open window's loader batches, kept until its step: after an out-of-memory error the window runs again.
     # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
     window_batches: list[dict[str, Any]] | None = field(default_factory=list)
+    after_back_off: Callable[[], None] | None = None  # called once a back-off has halved the micro-batch
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -92,7 +94,7 @@ class Engine:
             # The batch's micro-steps; DDP all-reduces gradients inside the backward of the window's last one only.
             items = backoff.micro_steps(self, ni, batch, last_in_window)
             fill = -(-self.micro_batches_in_window // self.split)  # in loader batches, as accumulate counts them
-            stop = self.step(ni, should_stop()) if last_in_window else False
+            stop = self._step(ni, should_stop()) if last_in_window else False
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 on_micro_step(i, items, batch["img"].shape[0], fill, s.accumulate_at(ni), lr)
@@ -124,6 +126,21 @@ class Engine:
         self.micro_batches_in_window += 1
         self.scaler.scale(loss).backward()
         return items
+
+    def _step(self, ni: int, stop_requested: bool) -> bool:
+        """step(), with running out of memory there (AdamW allocates its state at its first step) a clear stop: the
+        weights or the EMA may be half updated, so the window cannot run again as a micro-step can."""
+        try:
+            return self.step(ni, stop_requested)
+        except RuntimeError as e:
+            if not backoff.is_out_of_memory(e):
+                raise
+            raise UserError(
+                f"out of memory in the optimizer step or EMA update at iteration {ni}, after the window's "
+                "micro-batches fitted; last.pt holds the last saved state. Resume with grad_checkpointing=True "
+                "(activations then leave room for the optimizer's state), or start again with a smaller batch or "
+                "optimizer=SGD (one state tensor per weight; AdamW keeps two)"
+            ) from e
 
     def step(self, ni: int, stop_requested: bool = False) -> bool:
         """End a window: normalise, unscale, clip, step, zero_grad, EMA, once each. Returns whether to stop.

@@ -135,7 +135,9 @@ def rng_state(loader_generator: torch.Generator | None) -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this process's device only
+        # The current device's (distributed.setup sets it to the run's), and only where this process already uses CUDA:
+        # asking on a CPU run of a GPU machine would make a context on GPU 0.
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         "loader": loader_generator.get_state() if loader_generator is not None else None,
     }
 
@@ -146,7 +148,7 @@ def restore_rng(state: dict[str, Any], loader_generator: torch.Generator | None)
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    if state["cuda"] is not None and torch.cuda.is_initialized():  # a CUDA run resumed on the CPU leaves CUDA alone
         torch.cuda.set_rng_state(state["cuda"])
     if loader_generator is not None and state["loader"] is not None:
         loader_generator.set_state(state["loader"])

@@ -77,6 +77,8 @@ class Trainer:
         if cfg.grad_checkpointing:  # after the EMA copy, which only evaluates
             model_.checkpoint_blocks(self.raw_model)
         self.loss = loss.WindowLoss(self.raw_model, cfg.norm)
+        if self.run:
+            self.loss.set_log(self.run.console.print)
         amp = cfg.amp and self.ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
         # batch=-1 or a fraction: measured with the model as it trains, or on resume the run's first choice
         self.batch_choice = autobatch.for_run(cfg, self.ctx, ckpt, self.raw_model, self.loss, amp, self.train_set)
@@ -109,7 +111,8 @@ class Trainer:
         val_batch = self.schedule.micro_batch * 2  # rank 0 validates alone, on one device
         self.bn_images: torch.Tensor | None = None  # precise_bn's images: drawn at its first recompute, then kept
         self.bn_batch = precise_bn.BATCH  # its micro-batch, until one runs out of memory
-        self.evaluator = Evaluator(cfg, self.spec, self.run.path, val_batch, self.ctx.device) if self.run else None
+        self.evaluator = (Evaluator(cfg, self.spec, self.run.path, val_batch, self.ctx.device, self.run.console.print)
+                          if self.run else None)  # fmt: skip
         # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
         self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
         self.best_fitness, self.fitness, self.mosaic_closed = None, None, False  # fitness: of the last validation
@@ -138,6 +141,8 @@ class Trainer:
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
             say = self.run.console.print if self.run else (lambda message: None)
             self.compiled = compiler.for_run(cfg, self.engine, len(self.train_set), say)
+            if self.compiled is not None:
+                self.engine.after_back_off = lambda: self._compile_after_back_off(say)
         self.train_start = time.perf_counter()
         bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
         with GracefulStop() as stop_signal, frozen_heap(), bounded:
@@ -163,6 +168,9 @@ class Trainer:
         if reason in {"diverged", "interrupted"}:
             self._raise_stopped(reason, stop_signal)
         return self.final_eval()
+
+    def _compile_after_back_off(self, say) -> None:
+        self.compiled = compiler.after_back_off(self.compiled, self.engine, len(self.train_set), self.cfg.imgsz, say)
 
     def train_epoch(self, epoch: int, start: int, should_stop) -> tuple[EpochResult, float]:
         """The epoch's micro-batches from `start` on, through the engine; also images per second over all devices."""
@@ -215,6 +223,7 @@ class Trainer:
             model, title = checkpoint.model_of(checkpoint.load(best)), f"final figures: {best} validated"
         else:
             model, title = copy.deepcopy(self.ema.ema), "final figures: the last epoch's EMA (save=False)"
+        self._follow_back_offs()
         self.metrics = self.evaluator.evaluate(model.fuse(verbose=False).to(self.ctx.device), plots=self.cfg.plots)
         self.run.console.print(metrics_table(self.metrics, title))
         return self.metrics
@@ -243,6 +252,7 @@ class Trainer:
             # As Ultralytics, also validate when early stopping could trigger now, so that it sees a fresh figure.
             validate = self.cfg.val or final or self.stopper.possible_stop
             if validate:
+                self._follow_back_offs()
                 self.metrics = self.evaluator.evaluate(self.ema.ema, self.loss.criterion)
                 self.fitness = self.metrics.get("fitness", 0.0)
             fitness = self.fitness or 0.0
@@ -255,6 +265,12 @@ class Trainer:
                 ended = "patience"
             self.save(epoch, best=fitness == self.best_fitness, finished=ended is not None)
         return ("patience", "final")[final] if self._agree(ended is not None) else None
+
+    def _follow_back_offs(self) -> None:
+        """Validation batches of twice the micro-batch, as at the start, also after an out-of-memory back-off."""
+        val_batch = max(1, 2 * backoff.micro_batch(self.engine))
+        if val_batch < self.evaluator.batch:
+            self.evaluator.set_batch(val_batch)
 
     def recompute_bn(self) -> None:
         """Precise BatchNorm statistics for the EMA model, the one validated and saved. Its images are drawn at the
@@ -400,6 +416,7 @@ def run(args: list[str]) -> dict[str, float]:
     cfg, ckpt, path = resolve(args), None, None
     if cfg.resume:
         cfg, ckpt, path = resume.load(cfg, args)
+    compiler.check(cfg)
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
     devices = len(distributed.cuda_ids(cfg.device))
