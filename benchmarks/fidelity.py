@@ -36,6 +36,10 @@ CONFIGS = {
     "b8-micro": ("yoloaccum", {"batch": 8, "norm": "micro"}),
     "b2": ("yoloaccum", {"batch": 2}),
     "b2-frozen": ("yoloaccum", {"batch": 2, "bn": "frozen"}),
+    "b2-window": ("yoloaccum", {"batch": 2, "bn": "window"}),
+    "b4": ("yoloaccum", {"batch": 4}),
+    "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
+    "b8-window": ("yoloaccum", {"batch": 8, "bn": "window"}),
     "ultralytics-b8": ("ultralytics", {"batch": 8}),
     "ultralytics-b64": ("ultralytics", {"batch": 64}),
 }

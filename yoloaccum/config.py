@@ -32,7 +32,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 # Allowed values and lower bounds; the types come from default.yaml.
 CHOICES = {
     "norm": ("window", "micro"),
-    "bn": ("batch", "frozen", "sync"),
+    "bn": ("batch", "frozen", "sync", "window"),
     "remainder": ("step", "carry"),
     "split": ("val", "test"),
     "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop"),
@@ -42,8 +42,8 @@ _ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Co
 _POSITIVE = {"epochs", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf", "ddp_timeout"}
 _NON_NEGATIVE = {
     "lr0", "momentum", "weight_decay", "nan_patience", "warmup_epochs", "warmup_momentum", "warmup_bias_lr",
-    "workers", "patience", "precise_bn", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s", "hsv_v",
-    "degrees", "translate", "scale", "shear", "perspective",
+    "workers", "patience", "precise_bn", "bn_window", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s",
+    "hsv_v", "degrees", "translate", "scale", "shear", "perspective",
 }  # fmt: skip
 _PROBABILITIES = {"flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix", "fraction", "conf", "iou"}
 _DERIVED = {

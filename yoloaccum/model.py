@@ -65,6 +65,11 @@ def load_matching(model: nn.Module, source: nn.Module) -> tuple[int, int]:
     return len(theirs), len(own)
 
 
+def bn_window(cfg: Config, world_size: int) -> int:
+    """bn=window's images per device: bn_window, or nbs over the devices (the window's images on each)."""
+    return cfg.bn_window or max(1, cfg.nbs // world_size)
+
+
 def set_bn_mode(model: nn.Module, bn: str) -> None:
     """bn=frozen: BatchNorm layers normalise with, and keep, their running statistics; their affine still trains."""
     if bn == "frozen":
@@ -111,17 +116,27 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
 
 
 def _recompute_contexts(block: nn.Module):
-    """No context for the first forward; the recomputation in backward must not update BatchNorm's running statistics
-    a second time, so it restores them afterwards (it normalises with the same batch statistics as the first)."""
-    return contextlib.nullcontext(), _buffers_restored(block)
+    """The recomputation in backward must see the block's buffers as the first forward saw them, and leave them as
+    the first forward left them: BatchNorm's running statistics are not updated twice, and bn=window's queues (which
+    the first forward already extended) give the recomputation the statistics the first forward normalised with."""
+    saved: list[torch.Tensor] = []
+    return _buffers_kept(block, saved), _buffers_as_before(block, saved)
 
 
 @contextlib.contextmanager
-def _buffers_restored(block: nn.Module):
+def _buffers_kept(block: nn.Module, saved: list[torch.Tensor]):
+    saved.extend(b.clone() for b in block.buffers())
+    yield
+
+
+@contextlib.contextmanager
+def _buffers_as_before(block: nn.Module, saved: list[torch.Tensor]):
     buffers = list(block.buffers())
-    saved = [b.clone() for b in buffers]
+    after = [b.clone() for b in buffers]
+    if buffers:
+        torch._foreach_copy_(buffers, saved)
     try:
         yield
     finally:
         if buffers:
-            torch._foreach_copy_(buffers, saved)
+            torch._foreach_copy_(buffers, after)

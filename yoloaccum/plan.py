@@ -58,7 +58,8 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     if cfg.bn == "batch" and schedule.micro_batch < 8:
         out.append(
             f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm statistics from so few images "
-            "are noisy; consider bn=frozen (fine-tuning) or bn=sync (several CUDA devices)"
+            "are noisy; consider bn=window (each layer normalises with the statistics of the window's last images; "
+            "docs/batchnorm.md), bn=frozen (fine-tuning) or bn=sync (several CUDA devices)"
         )
     if schedule.accumulate < round(cfg.nbs / schedule.batch):
         out.append(

@@ -27,6 +27,7 @@ from yoloaccum import (
     data,
     distributed,
     loss,
+    norm,
     optim,
     plots,
     precise_bn,
@@ -92,6 +93,8 @@ class Trainer:
             if self.run and resume.extension_note(ckpt["yoloaccum"], cfg):
                 (self.run.path / "args.yaml").write_text(cfg.to_yaml())  # the run's settings now: its new epochs
         self.loader = self._loader()
+        if cfg.bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
+            norm.convert(self.raw_model, model_.bn_window(cfg, self.ctx.world_size))
         self.engine = Engine(
             model=distributed.wrap(self.raw_model, self.ctx, cfg.bn),  # SyncBatchNorm, if any, before compiling
             raw_model=self.raw_model,
@@ -136,6 +139,14 @@ class Trainer:
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers,
                               min(cfg.precise_bn, len(self.train_set)), self.batch_choice)  # fmt: skip
+            if cfg.bn == "window":
+                window, per_device = model_.bn_window(cfg, self.ctx.world_size), s.micro_batch // self.ctx.world_size
+                self.run.console.print(f"BatchNorm: bn=window, each layer normalises micro-batches of {per_device} "
+                                       f"with the statistics of its last {window} images on each device")  # fmt: skip
+                if window <= per_device:
+                    self.run.console.print(f"[yellow]warning:[/] bn_window={window} holds no more than one micro-batch "
+                                           f"of {per_device}: each is normalised with its own statistics, as with "
+                                           "bn=batch; give bn_window above it")  # fmt: skip
             if cfg.plots and self.position == (0, 0):
                 plots.labels(self.train_set, self.spec.names, self.run.path)
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
@@ -360,7 +371,8 @@ class Trainer:
         the iterations where it ran out of memory (its micro-batch stays halved once for each)."""
         return {"rng": resume.rng_state(self.loader.generator), "open_window": self.engine.open_window(),
                 "mosaic_buffer": list(getattr(self.train_set, "buffer", [])),
-                "back_offs": list(self.engine.back_offs)}  # fmt: skip
+                "back_offs": list(self.engine.back_offs),
+                "bn_window": norm.state(self.raw_model)}  # fmt: skip
 
     def _gather_rank_states(self) -> None:
         """Every rank's _rank_state() to rank 0, for the next save. A collective: every rank calls it, at the point
@@ -385,6 +397,8 @@ class Trainer:
             self.engine.back_offs = list(mine["back_offs"])
             self.engine.split = 2 ** len(self.engine.back_offs)
             resume.restore_mosaic_buffer(self.train_set, mine["mosaic_buffer"])
+            if same:  # each rank's queues are its own images': on another number of ranks they start empty
+                norm.load_state(self.raw_model, mine.get("bn_window", {}))
             resume.restore_rng(mine["rng"], self.loader.generator)  # last: building the run consumed random numbers
 
     def load_state(self, state: dict[str, Any], ckpt: dict[str, Any]) -> None:
