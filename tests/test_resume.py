@@ -104,7 +104,7 @@ def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_pat
 
 
 def test_resume_refuses_arguments_that_change_the_schedule(uninterrupted, run_cli):
-    for arg in ("batch=8", "nbs=16", "lr0=0.1"):
+    for arg in ("batch=8", "nbs=16", "lr0=0.1", "lr_scale=sqrt"):
         r = run_cli("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", arg)
         assert r.returncode == 2 and "resume continues the run as planned" in r.stderr, r.stderr
         assert "only epochs= may change" in r.stderr and "Traceback" not in r.stderr

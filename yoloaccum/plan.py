@@ -12,7 +12,7 @@ from rich.table import Table
 from yoloaccum import autobatch, config, data, distributed, schedule
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
-from yoloaccum.schedule import Schedule
+from yoloaccum.schedule import ADAPTIVE, Schedule
 
 JSON_VERSION = 1  # bump when a field of `plan --json` changes meaning or disappears
 
@@ -68,12 +68,25 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
             "images per optimizer "
             "step, and weight decay is scaled by that accumulate"
         )
+    ratio = schedule.effective_batch / schedule.nbs
+    if schedule.lr_scale == "ultralytics" and schedule.optimizer in ADAPTIVE and not 0.5 <= ratio <= 2:
+        out.append(
+            f"effective batch {schedule.effective_batch} is {ratio:.3g}x nbs={schedule.nbs} with {schedule.optimizer}, "
+            "whose update ignores the gradient's scale: with lr_scale=ultralytics the lr does not follow the batch; "
+            "lr_scale=sqrt or linear scales it (docs/lr-scaling.md)"
+        )
     if cfg.nbs < schedule.batch:
         out.append(
             f"nbs={cfg.nbs} < batch={schedule.batch}: accumulate is 1 and weight decay is scaled up by "
             f"{schedule.batch / cfg.nbs:.3g}x"
         )
     return out
+
+
+def lr_scaling_line(s: dict[str, Any]) -> str:
+    lrs = ", ".join(f"{k} {v:.4g}" for k, v in s["lr_after_warmup"].items())
+    return (f"lr_scale={s['lr_scale']}: effective batch / nbs = {s['effective_batch_ratio']:.3g} ({s['optimizer']}, "
+            f"{s['optimizer_family']}): lr × {s['lr_multiplier']:.4g}; after warmup {lrs}")  # fmt: skip
 
 
 def ramp_ranges(schedule: Schedule) -> list[tuple[int, int, int]]:
@@ -111,6 +124,11 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
             for k, (g, lr, wd) in schedule.param_groups.items()
         },
         "lr0": schedule.lr0,
+        "lr_scale": schedule.lr_scale,  # the rule; the fields below are what it gives
+        "optimizer_family": "adaptive" if schedule.optimizer in ADAPTIVE else "sgd",
+        "effective_batch_ratio": schedule.effective_batch / schedule.nbs,
+        "lr_multiplier": schedule.lr_multiplier,
+        "lr_after_warmup": {k: lr * schedule.lr_multiplier for k, (_, lr, _) in schedule.param_groups.items()},
         "batches_per_epoch": schedule.batches_per_epoch,
         "steps_per_epoch": [schedule.steps_per_epoch(e) for e in range(schedule.epochs)],
         "total_steps": schedule.total_steps,
@@ -165,6 +183,7 @@ def render(cfg: Config, schedule: Schedule, console: Console, choice: autobatch.
         ("warmup", f"{s['warmup_iterations']} iterations"),
         ("accumulate ramp", f"ni {ramp}"),
         ("optimizer", f"{s['optimizer']} lr0={s['lr0']:g}"),
+        ("lr scaling", lr_scaling_line(s)),
         ("iterations per epoch", str(s["batches_per_epoch"])),
         ("optimizer steps", f"{per_epoch} per epoch, {s['total_steps']} in total"),
         ("norm / bn / remainder", f"{s['norm']} / {s['bn']} / {s['remainder']}"),

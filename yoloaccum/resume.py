@@ -75,15 +75,16 @@ def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
     if state.get("finished") and not extend:
         raise UserError(f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
                         f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}")  # fmt: skip
-    for key, value in given.items():
-        if key not in MAY_CHANGE and key != "epochs" and key in saved and value != saved[key]:
+    added = {k.name: k.default for k in schema().values() if k.name not in saved}  # keys newer than the run
+    for key, value in given.items():  # a key newer than the run had, in effect, its default there
+        was = saved.get(key, added.get(key))
+        if key not in MAY_CHANGE and key != "epochs" and key in {**saved, **added} and value != was:
             raise UserError(
-                f"resume continues the run as planned, but {key}={value} differs from its {key}={saved[key]}: the "
-                f"epochs already done were computed with {key}={saved[key]}, and only epochs= may change on resume; "
+                f"resume continues the run as planned, but {key}={value} differs from its {key}={was}: the "
+                f"epochs already done were computed with {key}={was}, and only epochs= may change on resume; "
                 f"drop {key}= to resume, or start a new run with pretrained={path}"
             )
     changes = {k: v for k, v in given.items() if k in MAY_CHANGE or k == "epochs"}
-    added = {k.name: k.default for k in schema().values() if k.name not in saved}  # keys newer than the run
     return Config({**added, **saved}).replace(**{**changes, "resume": str(path)}), ckpt, path
 
 

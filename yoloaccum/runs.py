@@ -113,7 +113,8 @@ class RunDir:
         self.console.print(
             f"[bold]yoloaccum[/] {num_images} images, {s.epochs} epochs on {ctx.world_size} × {ctx.device}: "
             f"micro-batch {s.micro_batch} × accumulate {s.accumulate} × {ctx.world_size} device(s) = effective batch "
-            f"{s.effective_batch}; weight decay {s.weight_decay:g}; {s.optimizer} lr0={s.lr0:g}; {loading}; "
+            f"{s.effective_batch}; weight decay {s.weight_decay:g}; {s.optimizer} lr0={s.lr0:g}"
+            f"{f' x {s.lr_multiplier:.4g} (lr_scale={s.lr_scale})' if s.lr_scale != 'ultralytics' else ''}; {loading}; "
             f"{precise}results in {self.path}{chosen}"
         )
 

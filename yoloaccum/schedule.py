@@ -20,6 +20,12 @@ from yoloaccum.errors import UserError
 
 # Optimizers whose momentum is Adam's beta1: built with betas, and not ramped during warmup (as Ultralytics).
 ADAM = frozenset({"Adam", "Adamax", "AdamW", "NAdam", "RAdam"})
+# Optimizers whose update does not grow with the gradient's scale (they divide by a running gradient magnitude). The
+# loss is a sum over images, so for the others (SGD and MuSGD, whose SGD part it is) the update already grows
+# linearly with the effective batch, and for these it does not grow at all.
+ADAPTIVE = ADAM | {"RMSprop"}
+# lr_scale: how the update size should follow effective batch / nbs, as an exponent of that ratio
+LR_SCALE_EXPONENT = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
 HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralytics
 
 
@@ -43,6 +49,7 @@ class Schedule:
     initial_momentum: float  # what the optimizer is built with; differs for optimizer=auto, as in Ultralytics
     warmup_momentum: float
     warmup_bias_lr: float
+    lr_scale: str = "ultralytics"  # the rule of lr_multiplier; the default of runs saved before it existed
 
     @property
     def micro_batch(self) -> int:
@@ -67,6 +74,22 @@ class Schedule:
     def effective_batch(self) -> int:
         """Images per optimizer step over all devices: micro-batch x accumulate x devices."""
         return self.batch * self.accumulate
+
+    @property
+    def implicit_exponent(self) -> float:
+        """How the update already grows with effective batch / nbs, at a fixed lr: linearly for SGD-type optimizers
+        (the loss sums over images), not at all for adaptive ones."""
+        return 0.0 if self.optimizer in ADAPTIVE else 1.0
+
+    @property
+    def lr_multiplier(self) -> float:
+        """What every group's lr is multiplied by (lr_scale), so that the update size follows (effective batch / nbs)
+        to the rule's exponent: ratio ** (exponent - implicit). `ultralytics` is 1: the lr as given, whatever the
+        effective batch."""
+        if self.lr_scale == "ultralytics":
+            return 1.0
+        ratio = self.effective_batch / self.nbs
+        return ratio ** (LR_SCALE_EXPONENT[self.lr_scale] - self.implicit_exponent)
 
     @property
     def weight_decay(self) -> float:
@@ -117,12 +140,13 @@ class Schedule:
         return max(1 - epoch / self.epochs, 0) * (1.0 - self.lrf) + self.lrf
 
     def lr_at(self, ni: int, base_lr: float, bias: bool) -> float:
-        """Learning rate at ni of a parameter group whose initial lr is base_lr (lr0, or a multiple for MuSGD)."""
+        """Learning rate at ni of a parameter group whose initial lr is base_lr (lr0, or a multiple for MuSGD), times
+        lr_multiplier (which scales the warmup's start with the rest: the whole update follows the rule)."""
         target = base_lr * self.lf(ni // self.batches_per_epoch)
         nw = self.warmup_iterations
         if nw and ni <= nw:  # biases fall from warmup_bias_lr, everything else rises from 0
-            return float(np.interp(ni, [0, nw], [self.warmup_bias_lr if bias else 0.0, target]))
-        return target
+            target = float(np.interp(ni, [0, nw], [self.warmup_bias_lr if bias else 0.0, target]))
+        return target * self.lr_multiplier
 
     def momentum_at(self, ni: int) -> float:
         """Momentum at ni. As in Ultralytics, only warmup sets it: from warmup_momentum to the recipe's momentum,
@@ -218,6 +242,7 @@ def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Sc
         initial_momentum=momentum,
         warmup_momentum=cfg.warmup_momentum,
         warmup_bias_lr=warmup_bias_lr,
+        lr_scale=cfg.lr_scale,
     )
 
 
