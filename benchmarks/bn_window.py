@@ -1,4 +1,4 @@
-"""What bn=window costs: the engine's images/s with bn=window against bn=batch, side by side in one process.
+"""What bn=window and bn=mabn cost: the engine's images/s against bn=batch, side by side in one process.
 
     python benchmarks/bn_window.py            # yolo26n at 160 px, micro-batches of 2 and 8, nbs 64
     python benchmarks/bn_window.py --smoke    # a few windows at 64 px, for the test suite
@@ -27,10 +27,10 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int) -> dict:
     nbs = 64
     per_window = max(1, nbs // micro)
     engines = {}
-    for mode in ("batch", "window"):
+    for mode in ("batch", *norm.MODES):
         e = engine_for("yolo26n.yaml", imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows * repeats)
-        if mode == "window":
-            norm.convert(e.raw_model, nbs)
+        if mode in norm.MODES:
+            norm.convert(e.raw_model, nbs, norm.MODES[mode])
         engines[mode] = e
     batches = on_device(make_batches(per_window * windows, micro, imgsz, seed=0))
     rates = {mode: [] for mode in engines}
@@ -43,13 +43,8 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int) -> dict:
             if r:
                 rates[mode].append(len(batches) * micro / (time.perf_counter() - start))
     medians = {mode: statistics.median(v) for mode, v in rates.items()}
-    return {
-        "micro_batch": micro,
-        "imgsz": imgsz,
-        "images_per_second": medians,
-        "cost": medians["batch"] / medians["window"],
-        "repeats": rates,
-    }
+    cost = {m: medians["batch"] / medians[m] for m in norm.MODES}
+    return {"micro_batch": micro, "imgsz": imgsz, "images_per_second": medians, "cost": cost, "repeats": rates}
 
 
 def _windows(engine, batches: list[dict]) -> None:
@@ -71,19 +66,21 @@ def main() -> None:
         rows = [measure(micro, 160, windows=1, repeats=5) for micro in (2, 8)]
     for r in rows:
         ips = r["images_per_second"]
-        print(f"micro-batch {r['micro_batch']}: bn=batch {ips['batch']:.1f} img/s, bn=window {ips['window']:.1f} "
-              f"img/s: bn=window costs {r['cost']:.3f}x", flush=True)  # fmt: skip
+        costs = ", ".join(f"bn={m} {ips[m]:.1f} img/s ({c:.3f}x)" for m, c in r["cost"].items())
+        print(f"micro-batch {r['micro_batch']}: bn=batch {ips['batch']:.1f} img/s, {costs}", flush=True)
     if args.smoke:
         return
     (HERE / "bn_window.json").write_text(json.dumps(rows, indent=1))
-    lines = ["# bn=window's cost (`python benchmarks/bn_window.py`)", "",
-             "yolo26n at 160 px, nbs 64, synthetic batches in memory, the engine's micro-steps and steps; bn=batch and "
-             "bn=window alternate, 5 repetitions each after a warm-up, median. The 2-core CPU machine, nothing else "
-             "running.", "", "| micro-batch | bn=batch img/s | bn=window img/s | cost (time, window / batch) |",
-             "| --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["# The cost of bn=window and bn=mabn (`python benchmarks/bn_window.py`)", "",
+             "yolo26n at 160 px, nbs 64, synthetic batches in memory, the engine's micro-steps and steps; the modes "
+             "alternate, 5 repetitions each after a warm-up, median. The 2-core CPU machine, nothing else running. "
+             "Cost: time per image against bn=batch.", "",
+             "| micro-batch | bn=batch img/s | bn=window img/s | cost | bn=mabn img/s | cost |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        ips = r["images_per_second"]
-        lines.append(f"| {r['micro_batch']} | {ips['batch']:.1f} | {ips['window']:.1f} | {r['cost']:.3f}x |")
+        ips, c = r["images_per_second"], r["cost"]
+        lines.append(f"| {r['micro_batch']} | {ips['batch']:.1f} | {ips['window']:.1f} | {c['window']:.3f}x "
+                     f"| {ips['mabn']:.1f} | {c['mabn']:.3f}x |")  # fmt: skip
     (HERE / "bn_window.md").write_text("\n".join(lines) + "\n")
 
 

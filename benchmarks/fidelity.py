@@ -40,11 +40,18 @@ CONFIGS = {
     "b4": ("yoloaccum", {"batch": 4}),
     "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
     "b8-window": ("yoloaccum", {"batch": 8, "bn": "window"}),
+    "b2-mabn": ("yoloaccum", {"batch": 2, "bn": "mabn"}),
+    "b4-mabn": ("yoloaccum", {"batch": 4, "bn": "mabn"}),
+    "b8-mabn": ("yoloaccum", {"batch": 8, "bn": "mabn"}),
     "ultralytics-b8": ("ultralytics", {"batch": 8}),
     "ultralytics-b64": ("ultralytics", {"batch": 64}),
 }
 REFERENCE = "b64"
 FULL = {"images": 256, "val_images": 64, "imgsz": 160, "epochs": 30}
+# BCCD: 292 training and 72 validation photographs (640x480 JPEGs, decoded by the loader), at a size 2 cores afford
+BCCD = {"dataset": "bccd", "imgsz": 256, "epochs": 60}
+BCCD_YAML = HERE.parents[1] / "shared/datasets/bccd.yaml"
+PRECISE_IMAGES = 256  # precise statistics over at most this many training images, as precise_bn's default
 SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1}
 RECIPE = {"model": "yolo26n.yaml", "nbs": 64, "warmup_epochs": 1, "close_mosaic": 5, "workers": 0}
 METRICS = ("metrics/mAP50(B)", "metrics/mAP50-95(B)")
@@ -54,10 +61,7 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, folder: str) -> dict:
     """In a fresh process: one training run, then its last.pt validated with and without precise BatchNorm."""
-    from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
-
-    data = shapes_data(folder, smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
-                                                    "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
+    data = dataset(size, folder)
     args = {**RECIPE, **settings, "data": str(data), "imgsz": size["imgsz"], "epochs": size["epochs"], "seed": seed,
             "plots": False}  # fmt: skip
     start = time.perf_counter()
@@ -74,8 +78,19 @@ def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, fold
                                       deterministic=True, device="cpu", verbose=False)  # fmt: skip
         run_dir = Path(folder) / f"run{seed}"
     seconds = time.perf_counter() - start
+    precise = min(size.get("images", PRECISE_IMAGES), PRECISE_IMAGES)
     return {"seconds": seconds, "curve": _curve(run_dir / "results.csv"),
-            **final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], size["images"])}  # fmt: skip
+            **final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], precise)}  # fmt: skip
+
+
+def dataset(size: dict, folder: str) -> Path:
+    """The runs' data: BCCD from ../shared, or the shapes set generated with the size's counts."""
+    from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
+
+    if size.get("dataset") == "bccd":
+        return BCCD_YAML
+    return shapes_data(folder, smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
+                                                    "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
 
 
 def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) -> dict:
@@ -102,17 +117,14 @@ def revalidate(runs: dict, folders: list[Path], size: dict, work: Path) -> None:
     """The precise figures of every kept run found in `folders`, measured again with this code. A folder is taken
     for a kept run only if its weights validate as trained exactly as that run did (the folders hold other runs of
     the same names: smoke runs, stopped runs)."""
-    from common import shapes_data
-
-    data = shapes_data(str(work), smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
-                                                       "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
+    data = dataset(size, str(work))
     for folder in folders:
         for weights in sorted(folder.glob("*/run*/weights/last.pt")):
             name, seed = weights.parents[2].name, weights.parents[1].name.removeprefix("run")
             kept = runs.get(name, {}).get(seed)
             if kept is None or (weights.parents[1] / "results.csv").read_text().count("\n") != size["epochs"] + 1:
                 continue
-            again = final_metrics(weights, data, size["imgsz"], size["images"])
+            again = final_metrics(weights, data, size["imgsz"], min(size.get("images", PRECISE_IMAGES), PRECISE_IMAGES))
             if again["raw"] == kept["raw"]:
                 kept["precise"] = again["precise"]
                 print(f"{name} seed {seed} validated again: {again['precise']}", flush=True)
@@ -172,13 +184,17 @@ def report(summary: dict, size: dict, seeds: list[int], minutes: float, flags: s
     def f(x):
         return "–" if x is None else f"{x:+.3f}"
 
+    if size.get("dataset") == "bccd":
+        data = f"BCCD (292 training and 72 validation photographs of blood smears) at {size['imgsz']} px"
+    else:
+        data = f"Shapes set, {size['images']} training and {size['val_images']} validation images at {size['imgsz']} px"
     lines = [
         f"# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py{flags}`)",
         "",
-        f"Shapes set, {size['images']} training and {size['val_images']} validation images at {size['imgsz']} px, "
+        f"{data}, "
         f"yolo26n, {size['epochs']} epochs, nbs 64, warmup 1, close_mosaic 5, seeds {', '.join(map(str, seeds))}. "
         f"raw: the EMA's BatchNorm statistics as trained; precise: recomputed over all training images, drawn as "
-        f"precise_bn draws them by default (the recipe's augmentation, mosaic included). "
+        f"precise_bn draws them by default (at most {PRECISE_IMAGES}, the recipe's augmentation, mosaic included). "
         f"Paired difference: against {REFERENCE} (a real batch of 64) with the same seed and variant, 95% t interval. "
         f"The runs reported took {minutes:.0f} min of training and validation in all; the last column is a run's "
         f"median, one run at a time on the 2-core CPU machine.",
@@ -237,6 +253,9 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--epochs", type=int, help=f"train this many epochs instead of {FULL['epochs']}; the report "
                         "goes to benchmarks/fidelity-<epochs>/ unless --out says otherwise")  # fmt: skip
+    parser.add_argument("--data", choices=["shapes", "bccd"], default="shapes",
+                        help=f"bccd: {BCCD_YAML} (skipped when absent), {BCCD['epochs']} epochs at {BCCD['imgsz']} px; "
+                        "reported in benchmarks/fidelity-bccd/")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="only write the report from the runs already kept")
     parser.add_argument("--out", type=Path, help="folder for fidelity.{md,json,png}: benchmarks/, or a temporary one")
     parser.add_argument("--revalidate", nargs="+", type=Path, default=[], metavar="DIR",
@@ -245,9 +264,14 @@ def main() -> None:
     a = parser.parse_args()
     if a.smoke:
         a.configs, a.seeds = ["b64", "ultralytics-b8"], [0, 1]  # both trainers, and the reference to pair with
-    size = {**(SMOKE if a.smoke else FULL), **({"epochs": a.epochs} if a.epochs else {})}
-    if a.out is None:  # runs of another length report apart, beside the main report
-        a.out = Path(tempfile.mkdtemp()) if a.smoke else HERE / f"fidelity-{a.epochs}" if a.epochs else HERE
+    bccd = a.data == "bccd"
+    if bccd and not BCCD_YAML.exists():
+        raise SystemExit(f"fidelity --data bccd: {BCCD_YAML} is not here; nothing to run")
+    base = SMOKE if a.smoke else BCCD if bccd else FULL
+    size = {**base, **({"epochs": a.epochs} if a.epochs else {})}
+    if a.out is None:  # runs of another length, or on BCCD, report apart, beside the main report
+        suffix = "-".join(["bccd"] * bccd + [str(a.epochs)] * bool(a.epochs))
+        a.out = Path(tempfile.mkdtemp()) if a.smoke else HERE / f"fidelity-{suffix}" if suffix else HERE
     a.out.mkdir(parents=True, exist_ok=True)
     store = a.out / "fidelity.json"
     saved = json.loads(store.read_text()) if store.exists() else {}
@@ -271,7 +295,7 @@ def main() -> None:
     seconds = sum(r["seconds"] for name in a.configs for r in runs.get(name, {}).values())
     seeds = [s for s in a.seeds if any(str(s) in runs.get(name, {}) for name in a.configs)]  # those that ran
     summary = summarise(runs, a.configs, seeds)
-    flags = f" --epochs {a.epochs}" if a.epochs else ""
+    flags = (" --data bccd" if bccd else "") + (f" --epochs {a.epochs}" if a.epochs else "")
     (a.out / "fidelity.md").write_text(report(summary, size, seeds, seconds / 60, flags))
     plot(runs, a.configs, a.out / "fidelity.png")
     print((a.out / "fidelity.md").read_text())
