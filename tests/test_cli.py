@@ -258,3 +258,18 @@ def test_the_network_guard_blocks_downloads():
     code = "import urllib.request; urllib.request.urlopen('http://example.com', timeout=5)"
     r = subprocess.run([sys.executable, "-c", code], env=offline_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "blocked" in r.stderr
+
+
+@pytest.mark.parametrize("args", [("train", "nbs=abc"), ("plan", "images=118287", "batch=8"), ("cfg",)])
+def test_commands_that_train_nothing_answer_without_importing_torch(args):
+    """A typo, a plan and the configuration answer before torch, Ultralytics or matplotlib load (their import takes
+    seconds here; benchmarks/startup.py times the commands)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, offline_env
+
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "yoloaccum", *args], cwd=REPO, env=offline_env(),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "import time:" in line}
+    assert not imported & {"torch", "ultralytics", "matplotlib"}, sorted(imported & {"torch", "ultralytics"})

@@ -14,7 +14,6 @@ from yoloaccum import norm
 from yoloaccum.errors import UserError
 from yoloaccum.norm import WindowBatchNorm2d
 
-
 MODES = sorted(norm.MODES)  # window (Batch Renormalization's gradient) and mabn (the window's gradient statistics)
 
 

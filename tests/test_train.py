@@ -48,6 +48,15 @@ def read_results(run: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def test_metrics_print_whole_in_a_log(smoke_train):
+    """Captured output is no terminal: each validation's metrics are one line of name-value pairs, none cut short."""
+    out = smoke_train[1]
+    line = next(x for x in out.splitlines() if x.startswith("epoch 2/2: "))
+    for name in ("precision", "recall", "mAP50", "mAP50-95", "val/box_loss", "val/cls_loss"):
+        assert f" {name} " in f" {line.split(': ', 1)[1]} ", line
+    assert "…" not in line
+
+
 def test_smoke_run_writes_every_output(smoke_run):
     for name in OUTPUTS:
         assert (smoke_run / name).is_file(), name

@@ -46,6 +46,9 @@ def main(
 @app.command()
 def train(args: ARGS = None) -> None:
     """Train a detector with gradient accumulation, e.g. `yoloaccum train data=coco.yaml batch=8 nbs=64`."""
+    from yoloaccum import config
+
+    config.resolve(args or [])  # a mistake in the arguments answers here, before torch and Ultralytics load
     from yoloaccum import trainer
 
     trainer.run(args or [])

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from yoloaccum.devices import cuda_ids, world_size  # noqa: F401  (parsed without torch, for plan; used here)
 from yoloaccum.errors import Stalled, UserError
 
 # Seconds NCCL's watchdog waits beyond ddp_timeout before it aborts a collective by itself: long enough for the
@@ -37,27 +38,6 @@ class Context:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def cuda_ids(device: str | None) -> list[int]:
-    """CUDA device ids from a device string, the one parser of device=: '' and 'cpu' give none; '0', '0,1', 'cuda',
-    'cuda:1' and 'cuda:0,cuda:1' give ids."""
-    text = str(device or "").strip().lower()
-    if text in {"", "cpu"}:
-        return []
-    items = [d.strip().removeprefix("cuda:") for d in text.split(",") if d.strip()]
-    try:
-        return [0 if d == "cuda" else int(d) for d in items]
-    except ValueError:
-        raise UserError(f"device={device} is not understood; use cpu, 0, or a list such as 0,1,2,3") from None
-
-
-def world_size(device: str | None) -> int:
-    """Devices a run uses: torchrun's WORLD_SIZE when launched by it, else the count of listed CUDA devices (1 for the
-    CPU)."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return max(len(cuda_ids(device)), 1)
 
 
 def select_device(device: str | None, local_rank: int = 0) -> torch.device:

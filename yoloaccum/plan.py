@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from yoloaccum import autobatch, config, data, distributed, schedule
+from yoloaccum import config, devices, schedule
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
 from yoloaccum.schedule import ADAPTIVE, Schedule
+
+if TYPE_CHECKING:
+    from yoloaccum import autobatch
 
 JSON_VERSION = 1  # bump when a field of `plan --json` changes meaning or disappears
 
@@ -22,19 +25,25 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
 
     images=N (not a config key) stands in for counting the dataset's training images.
     """
+    # torch, Ultralytics and the dataset code are imported only where they are needed (data=, batch=-1), so that
+    # `plan images=N` answers at once
     images = next((a.split("=", 1)[1] for a in args if a.startswith("images=")), None)
     cfg = config.resolve([a for a in args if not a.startswith("images=")])
     if images is not None:
         if not images.isdigit() or int(images) < 1:
             raise UserError(f"images={images} must be a positive whole number")
-        num_images, nc = int(images), 80 if cfg.data is None else data.load_spec(cfg.data).nc
+        num_images, nc = int(images), 80 if cfg.data is None else _data().load_spec(cfg.data).nc
     elif cfg.data is None:
         raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
     else:
+        data = _data()
         spec = data.load_spec(cfg.data)
         num_images, nc = data.num_training_images(cfg, spec), spec.nc
     choice = None
     if config.is_auto_batch(cfg.batch):  # measured as a run would; the config keeps what was asked
+        from yoloaccum import autobatch
+
+        data = _data()
         spec = (
             data.load_spec(cfg.data)
             if cfg.data
@@ -42,7 +51,7 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
         )
         choice = autobatch.for_plan(cfg, num_images, spec)
     sched = schedule.build(cfg.replace(batch=choice.batch) if choice else cfg, num_images,
-                           world_size=distributed.world_size(cfg.device), nc=nc)  # fmt: skip
+                           world_size=devices.world_size(cfg.device), nc=nc)  # fmt: skip
     if as_json:
         print(json.dumps(to_json(cfg, sched, choice)), flush=True)
     else:
@@ -50,6 +59,12 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
     if plot_path:
         plot(sched, plot_path)
     return sched
+
+
+def _data():
+    from yoloaccum import data
+
+    return data
 
 
 def warnings(cfg: Config, schedule: Schedule) -> list[str]:

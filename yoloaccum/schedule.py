@@ -65,7 +65,7 @@ class Schedule:
     def total_iterations(self) -> int:
         return self.batches_per_epoch * self.epochs
 
-    @property
+    @cached_property  # read for every window: computed once (the schedule is frozen)
     def accumulate(self) -> int:
         """Nominal micro-batches per window after warmup, round(nbs / batch); never more than the run has."""
         return min(max(round(self.nbs / self.batch), 1), self.total_iterations)
@@ -98,7 +98,7 @@ class Schedule:
         iterations than that), where Ultralytics would never step at all."""
         return self.base_weight_decay * self.batch * self.accumulate / self.nbs
 
-    @property
+    @cached_property
     def warmup_iterations(self) -> int:
         """nw: warmup leaves at least the final epoch for regular training."""
         if self.warmup_epochs <= 0:
@@ -130,7 +130,7 @@ class Schedule:
         """Micro-batches per window at iteration ni: ramps from 1 to the nominal value over warmup."""
         nw = self.warmup_iterations
         if nw and ni <= nw:
-            return max(1, int(np.interp(ni, [0, nw], [1, self.accumulate]).round()))
+            return max(1, round(_interp(ni, nw, 1.0, float(self.accumulate))))
         return self.accumulate
 
     def lf(self, epoch: int) -> float:
@@ -244,6 +244,14 @@ def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Sc
         warmup_bias_lr=warmup_bias_lr,
         lr_scale=cfg.lr_scale,
     )
+
+
+def _interp(x: int, x1: int, y0: float, y1: float) -> float:
+    """np.interp(x, [0, x1], [y0, y1]) for 0 <= x <= x1, computed as numpy computes it (the same floats), without the
+    cost of a numpy call per iteration: plan walks every window of a run."""
+    if x == x1:
+        return y1
+    return (y1 - y0) / x1 * x + y0
 
 
 def even_cuts(n: int, parts: int) -> list[int]:

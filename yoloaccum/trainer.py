@@ -41,7 +41,7 @@ from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EXTRA_COLUMNS, EpochProgress, StepLog
 from yoloaccum.runs import RunDir, keep_freed_memory, seed_everything
 from yoloaccum.signals import GracefulStop, Interrupted
-from yoloaccum.validate import METRIC_KEYS, Evaluator, metrics_table
+from yoloaccum.validate import METRIC_KEYS, Evaluator, show_metrics
 
 
 class Trainer:
@@ -238,7 +238,7 @@ class Trainer:
             model, title = copy.deepcopy(self.ema.ema), "final figures: the last epoch's EMA (save=False)"
         self._follow_back_offs()
         self.metrics = self.evaluator.evaluate(model.fuse(verbose=False).to(self.ctx.device), plots=self.cfg.plots)
-        self.run.console.print(metrics_table(self.metrics, title))
+        show_metrics(self.run.console, self.metrics, title)
         return self.metrics
 
     @property
@@ -273,7 +273,7 @@ class Trainer:
                 self.best_fitness = fitness
             self.run.results.append(self._row(epoch, time.perf_counter() - self.train_start, images_per_second))
             if self.cfg.verbose and validate:
-                self.run.console.print(metrics_table(self.metrics, f"epoch {epoch + 1}/{self.schedule.epochs}"))
+                show_metrics(self.run.console, self.metrics, f"epoch {epoch + 1}/{self.schedule.epochs}")
             if self.stopper(epoch + 1, self.fitness) and not final:
                 ended = "patience"
             self.save(epoch, best=fitness == self.best_fitness, finished=ended is not None)

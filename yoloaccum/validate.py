@@ -124,6 +124,20 @@ def drawable(detections: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.
     return out
 
 
+def show_metrics(console: Console, metrics: dict[str, float], title: str) -> None:
+    """The metrics as a table on a terminal; in a file or a CI log, where a table is cut to 80 columns, as one line of
+    `name value` pairs, whole."""
+    if console.is_terminal:
+        console.print(metrics_table(metrics, title))
+    else:
+        pairs = ", ".join(f"{_short(k)} {v:.4g}" for k, v in metrics.items())
+        console.print(f"{title}: {pairs}", soft_wrap=True, highlight=False)
+
+
+def _short(key: str) -> str:
+    return key.split("/")[-1].replace("(B)", "") if key.startswith("metrics/") else key
+
+
 def metrics_table(metrics: dict[str, float], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for k in metrics:
@@ -150,6 +164,6 @@ def run(args: list[str]) -> dict[str, Any]:
     evaluator = Evaluator(cfg, spec, Path(cfg.model).parent, cfg.batch, device)
     metrics = evaluator.evaluate(model.to(device))
     console = Console()
-    console.print(metrics_table(metrics, f"{cfg.model} on {spec.yaml_file.name} ({cfg.split})"))
+    show_metrics(console, metrics, f"{cfg.model} on {spec.yaml_file.name} ({cfg.split})")
     console.print(evaluator.class_table())
     return metrics

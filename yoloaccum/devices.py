@@ -1,0 +1,31 @@
+"""device= parsed without importing torch: which CUDA ids a run lists, and how many processes it runs on.
+
+Kept apart from distributed.py so that `yoloaccum plan` and argument checks answer before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+from yoloaccum.errors import UserError
+
+
+def cuda_ids(device: str | None) -> list[int]:
+    """CUDA device ids from a device string, the one parser of device=: '' and 'cpu' give none; '0', '0,1', 'cuda',
+    'cuda:1' and 'cuda:0,cuda:1' give ids."""
+    text = str(device or "").strip().lower()
+    if text in {"", "cpu"}:
+        return []
+    items = [d.strip().removeprefix("cuda:") for d in text.split(",") if d.strip()]
+    try:
+        return [0 if d == "cuda" else int(d) for d in items]
+    except ValueError:
+        raise UserError(f"device={device} is not understood; use cpu, 0, or a list such as 0,1,2,3") from None
+
+
+def world_size(device: str | None) -> int:
+    """Devices a run uses: torchrun's WORLD_SIZE when launched by it, else the count of listed CUDA devices (1 for the
+    CPU)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return max(len(cuda_ids(device)), 1)
