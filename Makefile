@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke bench-compile fidelity
+.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity
 
 install: $(STAMP)
 
@@ -47,6 +47,12 @@ bench: install  # its duration on 2 CPU cores: docs/performance.md
 
 bench-smoke: install
 	$(BIN)/python benchmarks/bench.py --smoke
+
+bench-bn: install  # bn=window and bn=mabn against bn=batch, side by side (docs/batchnorm.md)
+	$(BIN)/python benchmarks/bn_window.py
+
+bench-startup: install  # how fast commands that train nothing answer
+	$(BIN)/python benchmarks/startup.py
 
 bench-compile: install  # make bench's section (h) alone: compile=True against eager and Ultralytics (docs/compile.md)
 	$(BIN)/python benchmarks/bench.py --compile-only

@@ -59,3 +59,11 @@ def test_fidelity_smoke_writes_the_report_table_and_plot(tmp_path):
     table = (tmp_path / "fidelity.md").read_text()
     assert "| ultralytics-b8 | precise |" in table and "| b64 | raw |" in table
     assert (tmp_path / "fidelity.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("script", "expect"), [("bn_window.py", "bn=mabn"), ("startup.py", "yoloaccum plan")])
+def test_small_benchmarks_run(script, expect, tmp_path):
+    r = subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke"], cwd=REPO, env=scratch_env(tmp_path),
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert expect in r.stdout
