@@ -9,29 +9,13 @@ import copy
 
 import pytest
 import torch
+from test_engine import MeanLoss
 from torch import nn
 
 from yoloaccum import config, distributed, optim, schedule
 from yoloaccum.engine import AMP_SCALE_FLOOR, Engine, load_scaler_state
 
 CPU = distributed.Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-
-
-class MeanLoss:
-    """Mean squared error x images (the WindowLoss protocol, as tests/test_engine.py's), computed in fp32."""
-
-    def __init__(self, model: nn.Module, extra: float = 0.0):
-        self.params, self.extra = [list(model.parameters())], extra
-
-    def __call__(self, preds, batch):
-        loss = ((preds.float() - batch["target"]) ** 2).mean() * preds.shape[0] + self.extra
-        return loss, loss.detach().view(1), torch.tensor([float(preds.shape[0])])
-
-    def param_groups(self):
-        return self.params
-
-    def normalise_gradients(self, counts, world):
-        pass
 
 
 def bn_model() -> nn.Module:

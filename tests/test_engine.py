@@ -17,13 +17,15 @@ CPU = distributed.Context(rank=0, local_rank=0, world_size=1, device=torch.devic
 
 
 class MeanLoss:
-    """Mean squared error x images: the WindowLoss protocol with nothing to normalise at the window's end."""
+    """Mean squared error x images: the WindowLoss protocol with nothing to normalise at the window's end. Computed
+    in fp32 (also under autocast); `extra` is added to every loss (a constant inf: the loss non-finite, not the
+    gradient)."""
 
-    def __init__(self, model: nn.Module):
-        self.params = [list(model.parameters())]
+    def __init__(self, model: nn.Module, extra: float = 0.0):
+        self.params, self.extra = [list(model.parameters())], extra
 
     def __call__(self, preds, batch):
-        loss = ((preds - batch["target"]) ** 2).mean() * preds.shape[0]
+        loss = ((preds.float() - batch["target"]) ** 2).mean() * preds.shape[0] + self.extra
         return loss, loss.detach().view(1), torch.tensor([float(preds.shape[0])])
 
     def param_groups(self):
