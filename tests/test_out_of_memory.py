@@ -111,3 +111,24 @@ def test_validation_that_runs_out_of_memory_runs_again_at_half_the_batch(tmp_pat
     assert evaluator.batch == 2 and len(said) == 2 and model.training  # 8 -> 4 -> 2; the model's mode kept
     reference = validate.Evaluator(cfg, spec, tmp_path, 2, torch.device("cpu")).evaluate(model)
     assert backed_off == pytest.approx(reference, abs=1e-9)
+
+
+def test_the_assigners_own_out_of_memory_fallback_is_said_in_the_log():
+    """Ultralytics' TaskAlignedAssigner catches a CUDA out-of-memory error itself and assigns one image at a time,
+    warning through its logger, which yoloaccum keeps quiet. The first time it happens, the run's log says so."""
+    from yoloaccum.loss import _TargetScoreSum
+
+    class Assigner:  # what the CPU cannot do: run out of memory inside the assignment
+        _oom_warned = False
+
+        def __call__(self, *args):
+            self._oom_warned = True  # as TaskAlignedAssigner sets it when it falls back
+            return (None, None, torch.ones(1, 4, 3), None, None)
+
+    said = []
+    tss = _TargetScoreSum(Assigner())
+    tss.log = said.append
+    tss()
+    tss()
+    assert len(said) == 1 and "assigns one image at a time" in said[0]
+    assert tss.last.item() == 12
