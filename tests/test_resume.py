@@ -216,7 +216,8 @@ def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path):
         proc.wait()
         ckpt = torch.load(target, weights_only=True)
         assert ckpt["weights"].numel() == 4_000_000 and ckpt["epoch"] >= 1
-    assert not list(tmp_path.glob(".last.pt.*.tmp")) or True  # a killed writer may leave its temporary file
+    # A killed writer may leave the temporary file it was writing, one at most per kill; a successful write leaves none
+    assert len(list(tmp_path.glob(".last.pt.*.tmp"))) <= 5
 
 
 @pytest.mark.slow
