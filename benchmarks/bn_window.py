@@ -1,4 +1,4 @@
-"""What bn=window and bn=mabn cost: the engine's images/s against bn=batch, side by side in one process.
+"""What bn=window costs: the engine's images/s against bn=batch, side by side in one process.
 
     python benchmarks/bn_window.py            # yolo26n at 160 px, micro-batches of 2 and 8, nbs 64
     python benchmarks/bn_window.py --smoke    # a few windows at 64 px, for the test suite
@@ -27,10 +27,10 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int) -> dict:
     nbs = 64
     per_window = max(1, nbs // micro)
     engines = {}
-    for mode in ("batch", *norm.MODES):
+    for mode in ("batch", "window"):
         e = engine_for("yolo26n.yaml", imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows * repeats)
-        if mode in norm.MODES:
-            norm.convert(e.raw_model, nbs, norm.MODES[mode])
+        if mode == "window":
+            norm.convert(e.raw_model, nbs)
         engines[mode] = e
     batches = on_device(make_batches(per_window * windows, micro, imgsz, seed=0))
     rates = {mode: [] for mode in engines}
@@ -43,7 +43,7 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int) -> dict:
             if r:
                 rates[mode].append(len(batches) * micro / (time.perf_counter() - start))
     medians = {mode: statistics.median(v) for mode, v in rates.items()}
-    cost = {m: medians["batch"] / medians[m] for m in norm.MODES}
+    cost = {"window": medians["batch"] / medians["window"]}
     return {"micro_batch": micro, "imgsz": imgsz, "images_per_second": medians, "cost": cost, "repeats": rates}
 
 
@@ -71,16 +71,14 @@ def main() -> None:
     if args.smoke:
         return
     (HERE / "bn_window.json").write_text(json.dumps(rows, indent=1))
-    lines = ["# The cost of bn=window and bn=mabn (`python benchmarks/bn_window.py`)", "",
+    lines = ["# The cost of bn=window (`python benchmarks/bn_window.py`)", "",
              "yolo26n at 160 px, nbs 64, synthetic batches in memory, the engine's micro-steps and steps; the modes "
              "alternate, 5 repetitions each after a warm-up, median. The 2-core CPU machine, nothing else running. "
              "Cost: time per image against bn=batch.", "",
-             "| micro-batch | bn=batch img/s | bn=window img/s | cost | bn=mabn img/s | cost |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| micro-batch | bn=batch img/s | bn=window img/s | cost |", "| --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         ips, c = r["images_per_second"], r["cost"]
-        lines.append(f"| {r['micro_batch']} | {ips['batch']:.1f} | {ips['window']:.1f} | {c['window']:.3f}x "
-                     f"| {ips['mabn']:.1f} | {c['mabn']:.3f}x |")  # fmt: skip
+        lines.append(f"| {r['micro_batch']} | {ips['batch']:.1f} | {ips['window']:.1f} | {c['window']:.3f}x |")
     (HERE / "bn_window.md").write_text("\n".join(lines) + "\n")
 
 

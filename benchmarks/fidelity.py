@@ -40,9 +40,6 @@ CONFIGS = {
     "b4": ("yoloaccum", {"batch": 4}),
     "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
     "b8-window": ("yoloaccum", {"batch": 8, "bn": "window"}),
-    "b2-mabn": ("yoloaccum", {"batch": 2, "bn": "mabn"}),
-    "b4-mabn": ("yoloaccum", {"batch": 4, "bn": "mabn"}),
-    "b8-mabn": ("yoloaccum", {"batch": 8, "bn": "mabn"}),
     "ultralytics-b8": ("ultralytics", {"batch": 8}),
     "ultralytics-b64": ("ultralytics", {"batch": 64}),
 }

@@ -14,17 +14,15 @@ from yoloaccum import norm
 from yoloaccum.errors import UserError
 from yoloaccum.norm import WindowBatchNorm2d
 
-MODES = sorted(norm.MODES)  # window (Batch Renormalization's gradient) and mabn (the window's gradient statistics)
 
-
-def window_bn(channels: int = 8, window: int = 8, mode: str = "window") -> nn.Module:
+def window_bn(channels: int = 8, window: int = 8) -> nn.Module:
     """One WindowBatchNorm2d (in a Sequential, which holds the window's hooks) with a non-trivial affine."""
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(channels)
     nn.init.uniform_(bn.weight, 0.5, 1.5)
     nn.init.uniform_(bn.bias, -0.5, 0.5)
     model = nn.Sequential(bn)
-    norm.convert(model, window, norm.MODES[mode])
+    norm.convert(model, window)
     assert isinstance(model[0], WindowBatchNorm2d)
     return model
 
@@ -34,12 +32,11 @@ def images(n: int = 8, channels: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, channels, 5, 5, generator=g) * 2 + 0.5
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("micro", [1, 2, 4])
-def test_the_windows_last_micro_batch_is_normalised_with_the_statistics_of_all_its_images(micro, mode):
+def test_the_windows_last_micro_batch_is_normalised_with_the_statistics_of_all_its_images(micro):
     """Micro-batches of 1, 2 or 4 through a window of 8 images: the last is normalised exactly as in one batch of 8;
     the first only with its own. A layer that fell back to per-micro-batch statistics fails the first assertion."""
-    model, x = window_bn(mode=mode), images()
+    model, x = window_bn(), images()
     bn = model[0]
     outs = [model(x[i : i + micro]) for i in range(0, 8, micro)]
     whole = F.batch_norm(x, None, None, bn.weight, bn.bias, training=True, eps=bn.eps)
@@ -49,10 +46,9 @@ def test_the_windows_last_micro_batch_is_normalised_with_the_statistics_of_all_i
     assert not torch.allclose(outs[-1], F.batch_norm(x[8 - micro :], None, None, bn.weight, bn.bias, training=True))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_window_is_counted_in_images_and_slides(mode):
+def test_the_window_is_counted_in_images_and_slides():
     """Window 8: after micro-batches of 4, 2, 2 and 4 images the last normalises with the last 8 images only."""
-    model, x = window_bn(mode=mode), images(12)
+    model, x = window_bn(), images(12)
     bn = model[0]
     for a, b in [(0, 4), (4, 6), (6, 8)]:
         model(x[a:b])
@@ -61,10 +57,9 @@ def test_the_window_is_counted_in_images_and_slides(mode):
     torch.testing.assert_close(last, expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_without_a_queue_the_layer_is_batchnorm_gradient_included(mode):
+def test_without_a_queue_the_layer_is_batchnorm_gradient_included():
     """The first micro-batch (nothing queued yet): the same output and the same gradients as BatchNorm."""
-    model, x = window_bn(mode=mode), images(4).requires_grad_()
+    model, x = window_bn(), images(4).requires_grad_()
     bn = model[0]
     plain = copy.deepcopy(nn.BatchNorm2d(8))
     plain.weight, plain.bias = copy.deepcopy(bn.weight), copy.deepcopy(bn.bias)
@@ -74,29 +69,6 @@ def test_without_a_queue_the_layer_is_batchnorm_gradient_included(mode):
     # float32 sums in another order (gradients of order 10 here): 1e-5 is rounding, a wrong formula is off by 1
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(bn.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
-
-
-def test_mabn_pools_the_gradients_statistics_over_the_window():
-    """bn=mabn, window 4, two micro-batches of 2: the second's input gradient is gamma / sigma * (dy - g - xhat * psi)
-    with g and psi, the means of dy and dy * xhat, pooled over both micro-batches (bn=window would use its own)."""
-    model, x = window_bn(channels=3, window=4, mode="mabn"), images(4, channels=3)
-    bn = model[0]
-    dys = [torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    grads = []
-    for part, dy in zip(x.split(2), dys):
-        part = part.clone().requires_grad_()
-        (model(part) * dy).sum().backward()
-        grads.append(part.grad)
-    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
-    sigma = (var + bn.eps).sqrt().view(1, -1, 1, 1)
-    xhat = (x[2:] - mean.view(1, -1, 1, 1)) / sigma
-    first = (x[:2] - mean.view(1, -1, 1, 1)) / sigma  # the first micro-batch as it was normalised: by itself
-    first_mean, first_var = x[:2].mean((0, 2, 3)), x[:2].var((0, 2, 3), unbiased=False)
-    first = (x[:2] - first_mean.view(1, -1, 1, 1)) / (first_var + bn.eps).sqrt().view(1, -1, 1, 1)
-    g = torch.cat([dys[0], dys[1]]).mean((0, 2, 3)).view(1, -1, 1, 1)
-    psi = ((dys[0] * first).mean((0, 2, 3)) + (dys[1] * xhat).mean((0, 2, 3))).view(1, -1, 1, 1) / 2
-    expected = bn.weight.view(1, -1, 1, 1) / sigma * (dys[1] - g - xhat * psi)
-    torch.testing.assert_close(grads[1], expected.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_eval_mode_and_the_state_dict_are_a_plain_batchnorms():
@@ -134,14 +106,13 @@ def conv_bn_model() -> nn.Module:
                          nn.Linear(8, 2))  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_batch(monkeypatch, mode):
+def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_batch(monkeypatch):
     """Out of memory in the second batch: the window runs again at micro-batches of 4. Its queue is put back with the
     other buffers, and the window counts images: the run ends bitwise where one started at 4 does."""
     backed = conv_bn_model()
-    norm.convert(backed, 32, norm.MODES[mode])
+    norm.convert(backed, 32)
     halved = conv_bn_model()
-    norm.convert(halved, 32, norm.MODES[mode])
+    norm.convert(halved, 32)
     monkeypatch.setenv("YOLOACCUM_FAULT", "oom@1")
     a = make_engine(backed, num_images=64, batch=8, nbs=32)
     monkeypatch.delenv("YOLOACCUM_FAULT")
@@ -154,8 +125,7 @@ def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_b
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_used(mode):
+def test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_used():
     """The recomputation in backward sees the queues as the first forward did (not extended by it): the same
     gradients as without checkpointing."""
     from ultralytics.nn.tasks import DetectionModel
@@ -164,7 +134,7 @@ def test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_use
 
     torch.manual_seed(0)
     plain = DetectionModel("yolo26n.yaml", nc=4, verbose=False)
-    norm.convert(plain, 8, norm.MODES[mode])
+    norm.convert(plain, 8)
     checkpointed = copy.deepcopy(plain)
     model_.checkpoint_blocks(checkpointed)
     x = torch.rand(6, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -180,8 +150,7 @@ def test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_use
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-def test_compiled_bn_window_equals_eager(tmp_path, mode):
+def test_compiled_bn_window_equals_eager(tmp_path):
     """tests/models/tiny26.yaml with bn=window, compiled (inductor) against eager over one window of 4 micro-batches:
     the same gradient to float tolerance, and the same queues."""
     import sys
@@ -196,7 +165,7 @@ def test_compiled_bn_window_equals_eager(tmp_path, mode):
     tiny = str(REPO / "tests/models/tiny26.yaml")
     engines = [engine_for(tiny, 64, batch=2, nbs=8, num_batches=4) for _ in range(2)]
     for e in engines:
-        norm.convert(e.raw_model, 8, norm.MODES[mode])  # the parameters stay those the optimizer holds
+        norm.convert(e.raw_model, 8)  # the parameters stay those the optimizer holds
     eager, compiled = engines
     assert compiler.compile_model(compiled.raw_model, "default", (2,), 64, CTX.device, False, warn=pytest.fail)
     batches = make_batches(4, 2, 64, seed=3)
@@ -216,18 +185,17 @@ RUN = ("model=yolo26n.yaml", "imgsz=64", "batch=2", "nbs=8", "epochs=2", "worker
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-def test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_model(tmp_path, run_cli, mode):
+def test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_model(tmp_path, run_cli):
     """Stopped by a SIGINT inside a window that spans two epochs (remainder=carry), resumed: the same weights as the
     uninterrupted run, so the queues are in last.pt. best.pt holds plain BatchNorm2d layers and predicts in
     Ultralytics."""
     from ultralytics import YOLO
 
     data = shapes_yaml(tmp_path, num_train=14, num_val=4, seed=7)  # 7 micro-batches of 2 an epoch
-    common = (f"data={data}", f"project={tmp_path}", *RUN, f"bn={mode}", "remainder=carry", "val=False")
+    common = (f"data={data}", f"project={tmp_path}", *RUN, "remainder=carry", "val=False")
     full = run_cli("train", *common, "name=full", env=SERIAL, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
-    assert f"BatchNorm: bn={mode}, each layer normalises micro-batches of 2 with the statistics" in (
+    assert "BatchNorm: bn=window, each layer normalises micro-batches of 2 with the statistics" in (
         full.stdout.replace("\n", " ")
     )
     r = run_cli("train", *common, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@5"}, timeout=600)

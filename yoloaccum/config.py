@@ -32,7 +32,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 # Allowed values and lower bounds; the types come from default.yaml.
 CHOICES = {
     "norm": ("window", "micro"),
-    "bn": ("batch", "frozen", "sync", "window", "mabn"),
+    "bn": ("batch", "frozen", "sync", "window"),
     "remainder": ("step", "carry"),
     "lr_scale": ("ultralytics", "linear", "sqrt", "none"),
     "split": ("val", "test"),

@@ -29,8 +29,6 @@ from torch import nn
 from yoloaccum.errors import UserError
 
 R_MAX, D_MAX = 3.0, 5.0  # Batch Renormalization's final clipping values
-# bn= modes of this module, and the gradient each takes: through the micro-batch's statistics, or the window's
-MODES = {"window": "micro", "mabn": "window"}
 
 
 class _Window:
@@ -42,9 +40,8 @@ class _Window:
     so that whatever puts a model's buffers back (a skipped window, a back-off, a recomputation) puts them back too.
     """
 
-    def __init__(self, images: int, device: torch.device, gradient: str = "micro"):
+    def __init__(self, images: int, device: torch.device):
         self.images = int(images)
-        self.gradient = gradient  # "micro": Batch Renormalization's backward; "window": MABN's (see _WindowNorm)
         slots = max(self.images, 1)
         self.count = torch.zeros(slots, device=device)
         self.age = torch.full((slots,), -1.0, device=device)
@@ -87,9 +84,6 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         # per slot: the micro-batch's per-channel mean, then its mean of squares
         self.register_buffer("queue_moments", torch.zeros(window.count.numel(), 2 * num_features, device=device),
                              persistent=False)  # fmt: skip
-        if window.gradient == "window":  # per slot: the backward's mean of dy, then of dy * xhat
-            self.register_buffer("queue_grad", torch.zeros(window.count.numel(), 2 * num_features, device=device),
-                                 persistent=False)  # fmt: skip
 
     @classmethod
     def from_batchnorm(cls, bn: nn.BatchNorm2d, window: _Window) -> WindowBatchNorm2d:
@@ -127,8 +121,6 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
                 self.num_batches_tracked.add_(1)
                 momentum = self.momentum if self.momentum is not None else 0.1
                 torch._foreach_lerp_([self.running_mean, self.running_var], [means[1], var[1]], momentum)
-        if w.gradient == "window":
-            return _WindowNorm.apply(x, self.weight, self.bias, means[1], std[1].reciprocal(), self)
         # Renormalised: gamma * (xhat_B * r + d) + beta, with r and d constants, is BatchNorm over the micro-batch
         # with weight gamma * r and bias beta + gamma * d: its forward is the window's normalisation (exactly, unless
         # r or d was clipped), its backward BatchNorm's through the micro-batch's statistics.
@@ -137,48 +129,15 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
 
 
-class _WindowNorm(torch.autograd.Function):
-    """bn=mabn: y = gamma * (x - mu) / sigma + beta with the window's mu and sigma in the forward, and in the backward
-    BatchNorm's gradient with the window's statistics of the gradient too (Moving Average BatchNorm, Yan et al. 2020):
-    dx = gamma / sigma * (dy - mean(dy) - xhat * mean(dy * xhat)), the two means pooled over the micro-batch and the
-    window's earlier ones, as the forward pools mu and sigma. With one micro-batch of the whole window it is exactly
-    BatchNorm's gradient. Each micro-batch's two means go into the layer's queue_grad, at its forward's slot."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, layer):
-        w = layer.window
-        ctx.layer, ctx.kept, ctx.total, ctx.slot, ctx.images = layer, w.kept, w.total, w.slot, x.shape[0]
-        ctx.save_for_backward(x, weight, mean, invstd)
-        scale = weight * invstd
-        return torch.addcmul(
-            (bias - mean * scale).view(1, -1, 1, 1).to(x.dtype), x, scale.view(1, -1, 1, 1).to(x.dtype)
-        )
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, invstd = ctx.saved_tensors
-        layer, values = ctx.layer, x.numel() // x.shape[1]
-        xf, dyf = x.float(), dy.float()
-        xhat = (xf - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
-        g_b, psi_b = dyf.sum((0, 2, 3)), (dyf * xhat).sum((0, 2, 3))  # dbeta and dgamma
-        moments = torch.cat([g_b, psi_b]) / values
-        pooled = torch.addmv(moments * ctx.images, layer.queue_grad.t(), ctx.kept) / ctx.total
-        g, psi = pooled.view(2, -1, 1, 1).unbind(0)
-        dx = (dyf - g - xhat * psi) * (weight * invstd).view(1, -1, 1, 1)
-        layer.queue_grad.index_copy_(0, ctx.slot, moments.reshape(1, -1))
-        return dx.to(x.dtype), psi_b.to(weight.dtype), g_b.to(weight.dtype), None, None, None
-
-
-def convert(model: nn.Module, images: int, gradient: str = "micro") -> int:
+def convert(model: nn.Module, images: int) -> int:
     """Replace every BatchNorm2d in model by a WindowBatchNorm2d over the last `images` images, in place, sharing
     parameters and running statistics, with one window for all (hooks on model keep it). Returns how many were
     replaced; a model without BatchNorm is a user error."""
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.BatchNorm2d]  # fmt: skip
     if not found:
-        raise UserError(f"bn={'mabn' if gradient == 'window' else 'window'} needs BatchNorm2d layers, and this model "
-                        "has none; use bn=batch")  # fmt: skip
-    window = _Window(images, found[0][2].running_mean.device, gradient)
+        raise UserError("bn=window needs BatchNorm2d layers, and this model has none; use bn=batch")
+    window = _Window(images, found[0][2].running_mean.device)
     for parent, name, child in found:
         setattr(parent, name, WindowBatchNorm2d.from_batchnorm(child, window))
     model.register_forward_pre_hook(window.before)

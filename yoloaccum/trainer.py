@@ -93,8 +93,8 @@ class Trainer:
             if self.run and resume.extension_note(ckpt["yoloaccum"], cfg):
                 (self.run.path / "args.yaml").write_text(cfg.to_yaml())  # the run's settings now: its new epochs
         self.loader = self._loader()
-        if cfg.bn in norm.MODES:  # before the optimizer is built: the layers are replaced, their parameters kept
-            norm.convert(self.raw_model, model_.bn_window(cfg, self.ctx.world_size), norm.MODES[cfg.bn])
+        if cfg.bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
+            norm.convert(self.raw_model, model_.bn_window(cfg, self.ctx.world_size))
         self.engine = Engine(
             model=distributed.wrap(self.raw_model, self.ctx, cfg.bn),  # SyncBatchNorm, if any, before compiling
             raw_model=self.raw_model,
@@ -139,11 +139,10 @@ class Trainer:
         if self.run:
             self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers,
                               min(cfg.precise_bn, len(self.train_set)), self.batch_choice)  # fmt: skip
-            if cfg.bn in norm.MODES:
+            if cfg.bn == "window":
                 window, per_device = model_.bn_window(cfg, self.ctx.world_size), s.micro_batch // self.ctx.world_size
-                grads = " (and of their gradients)" if cfg.bn == "mabn" else ""
                 self.run.console.print(f"BatchNorm: bn={cfg.bn}, each layer normalises micro-batches of {per_device} "
-                                       f"with the statistics{grads} of its last {window} images on each "
+                                       f"with the statistics of its last {window} images on each "
                                        "device")  # fmt: skip
                 if window <= per_device:
                     self.run.console.print(f"[yellow]warning:[/] bn_window={window} holds no more than one micro-batch "
