@@ -40,6 +40,10 @@ CONFIGS = {
     "b4": ("yoloaccum", {"batch": 4}),
     "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
     "b8-window": ("yoloaccum", {"batch": 8, "bn": "window"}),
+    # lr_scale at an effective batch of 128 (nbs 64, accumulate 1), AdamW as optimizer=auto picks it (b64's)
+    "b128": ("yoloaccum", {"batch": 128}),
+    "b128-sqrt": ("yoloaccum", {"batch": 128, "lr_scale": "sqrt"}),
+    "b128-linear": ("yoloaccum", {"batch": 128, "lr_scale": "linear"}),
     "ultralytics-b8": ("ultralytics", {"batch": 8}),
     "ultralytics-b64": ("ultralytics", {"batch": 64}),
 }
