@@ -73,8 +73,8 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     if cfg.bn == "batch" and schedule.micro_batch < 8:
         out.append(
             f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm statistics from so few images "
-            "are noisy; consider bn=window (each layer normalises with the statistics of the window's last images; "
-            "docs/batchnorm.md), bn=frozen (fine-tuning) or bn=sync (several CUDA devices)"
+            "are noisy; bn=sync (several CUDA devices) pools them, bn=frozen keeps them (fine-tuning); bn=window "
+            "pools the window's, which helps the statistics as trained but not with precise_bn (docs/batchnorm.md)"
         )
     if schedule.accumulate < round(cfg.nbs / schedule.batch):
         out.append(
