@@ -44,6 +44,11 @@ CONFIGS = {
     "b128": ("yoloaccum", {"batch": 128}),
     "b128-sqrt": ("yoloaccum", {"batch": 128, "lr_scale": "sqrt"}),
     "b128-linear": ("yoloaccum", {"batch": 128, "lr_scale": "linear"}),
+    # and SGD (lr0 0.01), whose update already grows linearly with the batch: its own real batch of 64 to pair with
+    "b64-sgd": ("yoloaccum", {"batch": 64, "optimizer": "SGD", "lr0": 0.01}),
+    "b128-sgd": ("yoloaccum", {"batch": 128, "optimizer": "SGD", "lr0": 0.01}),
+    "b128-sgd-sqrt": ("yoloaccum", {"batch": 128, "optimizer": "SGD", "lr0": 0.01, "lr_scale": "sqrt"}),
+    "b128-sgd-none": ("yoloaccum", {"batch": 128, "optimizer": "SGD", "lr0": 0.01, "lr_scale": "none"}),
     "ultralytics-b8": ("ultralytics", {"batch": 8}),
     "ultralytics-b64": ("ultralytics", {"batch": 64}),
 }

@@ -71,6 +71,14 @@ def test_plan_shows_the_rule_and_warns_for_adamw_far_from_nbs(run_cli):
     assert "does not follow the batch" not in r.stdout
 
 
+def test_every_rule_is_taken_from_the_command_line(run_cli):
+    """lr_scale=none is the rule `none`, not an empty setting (the command line reads `none` as null elsewhere)."""
+    assert config.resolve(["lr_scale=none"]).lr_scale == "none"
+    r = run_cli("plan", "images=25600", "batch=256", "nbs=64", "optimizer=SGD", "lr_scale=none", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["summary"]["lr_multiplier"] == 0.25
+
+
 def test_an_unknown_rule_is_refused(run_cli):
     r = run_cli("plan", "images=100", "lr_scale=cubic")
     assert r.returncode == 2 and "lr_scale" in r.stderr and "Traceback" not in r.stderr

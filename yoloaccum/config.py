@@ -200,6 +200,8 @@ def _from_text(key: str, text: str) -> Any:
     spec = schema().get(key)
     if spec is None:
         return text
+    if text in CHOICES.get(key, ()):  # a choice is itself, even one spelled like null (lr_scale=none)
+        return text
     if text.lower() in {"", "none", "null"} and (spec.default is None or str in spec.types):
         return None
     for t in spec.types:
