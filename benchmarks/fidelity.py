@@ -49,6 +49,13 @@ CONFIGS = {
     "b128-sgd": ("yoloaccum", {"batch": 128, "optimizer": "SGD", "lr0": 0.01}),
     "b128-sgd-sqrt": ("yoloaccum", {"batch": 128, "optimizer": "SGD", "lr0": 0.01, "lr_scale": "sqrt"}),
     "b128-sgd-none": ("yoloaccum", {"batch": 128, "optimizer": "SGD", "lr0": 0.01, "lr_scale": "none"}),
+    # an effective batch of 256 (4x nbs, accumulate 1, one optimizer step an epoch), each optimizer family
+    "b256": ("yoloaccum", {"batch": 256}),
+    "b256-sqrt": ("yoloaccum", {"batch": 256, "lr_scale": "sqrt"}),
+    "b256-linear": ("yoloaccum", {"batch": 256, "lr_scale": "linear"}),
+    "b256-sgd": ("yoloaccum", {"batch": 256, "optimizer": "SGD", "lr0": 0.01}),
+    "b256-sgd-sqrt": ("yoloaccum", {"batch": 256, "optimizer": "SGD", "lr0": 0.01, "lr_scale": "sqrt"}),
+    "b256-sgd-none": ("yoloaccum", {"batch": 256, "optimizer": "SGD", "lr0": 0.01, "lr_scale": "none"}),
     "ultralytics-b8": ("ultralytics", {"batch": 8}),
     "ultralytics-b64": ("ultralytics", {"batch": 64}),
 }
