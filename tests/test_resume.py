@@ -122,6 +122,20 @@ def test_best_pt_is_stripped_and_resume_points_to_last_pt(uninterrupted, run_cli
     assert r.returncode == 2 and f"resume from {uninterrupted / 'weights/last.pt'}" in r.stderr, r.stderr
 
 
+def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_one_refused(uninterrupted, tmp_path,
+                                                                                           run_cli):  # fmt: skip
+    path = uninterrupted / "weights/last.pt"
+    ckpt = checkpoint.load(path)
+    assert ckpt["yoloaccum"]["format"] == checkpoint.FORMAT
+    before_versions = {k: v for k, v in ckpt["yoloaccum"].items() if k != "format"}  # format 1: no version in it
+    assert checkpoint.training_state({**ckpt, "yoloaccum": before_versions}, path)["format"] == checkpoint.FORMAT
+    newer = tmp_path / "run/weights/last.pt"
+    checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "format": checkpoint.FORMAT + 1}}, newer)
+    r = run_cli("train", f"resume={newer}", "epochs=6")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"holds a training state of format {checkpoint.FORMAT + 1}, newer than this yoloaccum reads" in r.stderr
+
+
 def test_resume_with_more_epochs_continues_a_finished_run(uninterrupted, tmp_path, run_cli):
     run = shutil.copytree(uninterrupted, tmp_path / "longer")
     r = run_cli("train", f"resume={run / 'weights/last.pt'}", "epochs=5", env=SERIAL, timeout=600)

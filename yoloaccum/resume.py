@@ -51,15 +51,11 @@ def find_last(project: str | None) -> Path:
 
 
 def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
-    """The saved run's config (with the allowed changes), its checkpoint, and the checkpoint's path."""
+    """The saved run's config (with the allowed changes), its checkpoint (its training state read by
+    checkpoint.training_state, in the current format), and the checkpoint's path."""
     path = find_last(cfg.project) if cfg.resume is True else Path(str(cfg.resume))
     ckpt = checkpoint.load(path, cfg.trust_weights)
-    state = ckpt.get("yoloaccum")
-    if state and state.get("stripped"):
-        raise UserError(f"{path} holds only the weights (best.pt is stripped for shipping); resume from "
-                        f"{path.parent / 'last.pt'}, or start a new run with pretrained={path}")  # fmt: skip
-    if not state or "position" not in state:
-        raise UserError(f"{path} was not written by yoloaccum train; start a new run with pretrained={path}")
+    state = ckpt["yoloaccum"] = checkpoint.training_state(ckpt, path)
     saved, given = state["config"], parse_args(args)
     given.pop("cfg", None)
     run, done = path.parent.parent, state["position"]["epoch"]
@@ -67,11 +63,6 @@ def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
     if extend and (not isinstance(given["epochs"], int) or given["epochs"] <= done):
         raise UserError(f"epochs={given['epochs']}: the run in {run} has done {done} epochs; to continue it, give "
                         f"epochs greater than {done}")  # fmt: skip
-    if "ranks" not in state:
-        raise UserError(
-            f"{path} was written by an earlier yoloaccum, which kept one set of random states for all ranks; finish "
-            f"it with that version, or start a new run with pretrained={path}"
-        )
     if state.get("finished") and not extend:
         raise UserError(f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
                         f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}")  # fmt: skip

@@ -347,6 +347,7 @@ class Trainer:
             "version": VERSION,
             "license": "AGPL-3.0",
             "yoloaccum": {
+                "format": checkpoint.FORMAT,
                 "config": dict(self.cfg),
                 "schedule": dataclasses.asdict(self.schedule),  # as resolved (auto's choice): an extension keeps it
                 "position": {"epoch": position[0], "batch": position[1]},
