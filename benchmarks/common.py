@@ -119,20 +119,20 @@ def bare_pass(model: torch.nn.Module, loss, batches: list[dict]) -> float:
 
     It leaves the model as it found it: no gradients (as at a window's end) and BatchNorm's running statistics
     restored, so that training can go on undisturbed."""
-    saved = [b.clone() for b in model.buffers()]
-    for i, b in enumerate(batches):
-        if i == 2:
-            synchronize()
-            start = time.perf_counter()
-        with torch.autocast(DEVICE.type, enabled=AMP):
-            value = loss(model(b["img"]), b)[0]
-        value.backward()
-    synchronize()
-    images_per_second = (len(batches) - 2) * batches[0]["img"].shape[0] / (time.perf_counter() - start)
+    from yoloaccum.buffers import kept
+
+    with kept(model):
+        for i, b in enumerate(batches):
+            if i == 2:
+                synchronize()
+                start = time.perf_counter()
+            with torch.autocast(DEVICE.type, enabled=AMP):
+                value = loss(model(b["img"]), b)[0]
+            value.backward()
+        synchronize()
+        images_per_second = (len(batches) - 2) * batches[0]["img"].shape[0] / (time.perf_counter() - start)
     for p in model.parameters():
         p.grad = None
-    for b, s in zip(model.buffers(), saved):
-        b.copy_(s)
     return images_per_second
 
 

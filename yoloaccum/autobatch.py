@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from yoloaccum import backoff, distributed
+from yoloaccum.buffers import kept
 from yoloaccum.config import Config, is_auto_batch
 from yoloaccum.distributed import Context
 from yoloaccum.engine import model_input
@@ -129,27 +130,25 @@ def measure(model: nn.Module, loss, imgsz: int, amp: bool, device: torch.device,
     gradients and BatchNorm statistics are put back as they were: probing changes nothing the run computes."""
     from yoloaccum.errors import UserError
 
-    buffers = [b.clone() for b in model.buffers()]
     peaks: dict[int, int | None] = {}
-    for b in sizes:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        try:
-            batch = synthetic_batch(b, imgsz, max_objects, device)
-            batch["img"] = model_input(batch["img"], device)
-            with torch.autocast(device.type, enabled=amp):
-                value = loss(model(batch["img"]), batch)[0]
-            value.backward()
-            peaks[b] = torch.cuda.max_memory_reserved(device)
-        except RuntimeError as e:
-            if not backoff.is_out_of_memory(e):
-                raise
-            peaks[b] = None
-        model.zero_grad(set_to_none=True)
-        if peaks[b] is None:
-            break
-    for b, saved in zip(model.buffers(), buffers):
-        b.copy_(saved)
+    with kept(model):
+        for b in sizes:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                batch = synthetic_batch(b, imgsz, max_objects, device)
+                batch["img"] = model_input(batch["img"], device)
+                with torch.autocast(device.type, enabled=amp):
+                    value = loss(model(batch["img"]), batch)[0]
+                value.backward()
+                peaks[b] = torch.cuda.max_memory_reserved(device)
+            except RuntimeError as e:
+                if not backoff.is_out_of_memory(e):
+                    raise
+                peaks[b] = None
+            model.zero_grad(set_to_none=True)
+            if peaks[b] is None:
+                break
     torch.cuda.empty_cache()
     if peaks.get(sizes[0]) is None:
         raise UserError(f"one image does not fit in {device}'s free memory; free the GPU, lower imgsz, or set "

@@ -128,8 +128,8 @@ def back_off(engine, ni: int) -> None:
     engine.optimizer.zero_grad(set_to_none=True)
     engine.window_counts.tensor.zero_()
     engine.micro_batches_in_window = 0
-    for b, saved in zip(engine.raw_model.buffers(), engine.buffers_at_window_start):
-        b.copy_(saved)
+    if engine.window_buffers is not None:
+        engine.window_buffers.put_back()
     if engine.ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # give the failed step's cached blocks back before the smaller micro-batches run
     engine.split *= 2

@@ -26,6 +26,7 @@ from torch import nn
 
 from yoloaccum import backoff, data, distributed, resume, schedule
 from yoloaccum import model as model_
+from yoloaccum.buffers import kept
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
 
@@ -182,20 +183,17 @@ def warm_up(model: nn.Module, batch: int, imgsz: int, device: torch.device, amp:
     """One forward and backward of `batch` blank images, which compiles both graphs for that size. The model's
     buffers (BatchNorm's running statistics) and gradients are put back as they were, also when compiling the
     backward fails after the forward ran."""
-    buffers = [b.clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]  # an open window's, on resume: set aside, not added to
     for p in model.parameters():
         p.grad = None
     try:
-        img = torch.zeros(batch, 3, imgsz, imgsz, device=device)  # NCHW, as the engine feeds them (model_input)
-        with torch.autocast(device.type, enabled=amp):
-            out = model(img)
-        tensors = [t for t in _tensors(out) if t.requires_grad]
-        torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
+        with kept(model):
+            img = torch.zeros(batch, 3, imgsz, imgsz, device=device)  # NCHW, as the engine feeds them (model_input)
+            with torch.autocast(device.type, enabled=amp):
+                out = model(img)
+            tensors = [t for t in _tensors(out) if t.requires_grad]
+            torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
     finally:
-        with torch.no_grad():
-            for b, saved in zip(model.buffers(), buffers):
-                b.copy_(saved)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from yoloaccum import backoff, distributed, optim
+from yoloaccum.buffers import Kept
 from yoloaccum.distributed import Context
 from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
@@ -57,7 +58,7 @@ class Engine:
     log: Callable[[str], None] = lambda message: None
     skipped: list[int] = field(default_factory=list)  # iterations whose window was skipped as non-finite
     skipped_in_a_row: int = 0
-    buffers_at_window_start: list[torch.Tensor] = field(default_factory=list)
+    window_buffers: Kept | None = None  # the model's buffers as the open window found them
     window_counts: WindowCounts = field(init=False)
     history: list[StepRecord] = field(default_factory=list)  # one record per step; the trainer drains it
     micro_batches_in_window: int = 0  # of the open window; with remainder=carry it may have begun last epoch
@@ -107,12 +108,11 @@ class Engine:
         return EpochResult(nb, None)
 
     def _snapshot_buffers(self) -> None:
-        """Copy the model's buffers (BatchNorm's running statistics); after the first window, into the same tensors."""
-        buffers = list(self.raw_model.buffers())
-        if buffers and len(self.buffers_at_window_start) == len(buffers):
-            torch._foreach_copy_(self.buffers_at_window_start, buffers)
+        """Keep the model's buffers (BatchNorm's running statistics); after the first window, in the same tensors."""
+        if self.window_buffers is None:
+            self.window_buffers = Kept(self.raw_model)
         else:
-            self.buffers_at_window_start = [b.clone() for b in buffers]
+            self.window_buffers.keep()
 
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
@@ -178,8 +178,8 @@ class Engine:
     def _skip(self, ni: int, what: str) -> None:
         """A window not stepped: its BatchNorm statistics put back, and counted towards nan_patience unless it is AMP
         calibrating its scale (an overflow of gradients that were scaled up; GradScaler starts at 2**16)."""
-        for b, saved in zip(self.raw_model.buffers(), self.buffers_at_window_start):
-            b.copy_(saved)
+        if self.window_buffers is not None:  # None: a window of micro-steps alone, as tests drive the engine
+            self.window_buffers.put_back()
         self.skipped.append(ni)
         scale = self.scaler.get_scale() if self.amp else 1.0  # after update(): halved if it overflowed
         if not (self.amp and what == "gradient" and scale >= AMP_SCALE_FLOOR):
@@ -196,7 +196,7 @@ class Engine:
         grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.raw_model.parameters()]
         return {"grads": grads, "counts": self.window_counts.tensor.cpu(), "scale": self._scale(),
                 "micro_batches": self.micro_batches_in_window,
-                "buffers": [b.cpu() for b in self.buffers_at_window_start]}  # fmt: skip
+                "buffers": [b.cpu() for b in self.window_buffers.tensors] if self.window_buffers else []}  # fmt: skip
 
     def restore_window(self, window: dict[str, Any] | None) -> None:
         """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts. Its
@@ -210,7 +210,7 @@ class Engine:
             if p.grad is not None and rescale != 1.0:
                 p.grad.mul_(rescale)
         self.window_counts.tensor.copy_(window["counts"])
-        self.buffers_at_window_start = [b.to(self.ctx.device) for b in window["buffers"]]
+        self.window_buffers = Kept(self.raw_model, [b.to(self.ctx.device) for b in window["buffers"]])
         self.micro_batches_in_window = window["micro_batches"]
         self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from yoloaccum import checkpoint
+from yoloaccum.buffers import Kept, kept
 from yoloaccum.config import Config
 from yoloaccum.data import DatasetSpec
 from yoloaccum.errors import UserError
@@ -119,24 +120,18 @@ def _recompute_contexts(block: nn.Module):
     """The recomputation in backward must see the block's buffers as the first forward saw them, and leave them as
     the first forward left them: BatchNorm's running statistics are not updated twice, and bn=window's queues (which
     the first forward already extended) give the recomputation the statistics the first forward normalised with."""
-    saved: list[torch.Tensor] = []
-    return _buffers_kept(block, saved), _buffers_as_before(block, saved)
+    first_saw: list[Kept] = []
+    return _buffers_kept(block, first_saw), _buffers_as_before(block, first_saw)
 
 
 @contextlib.contextmanager
-def _buffers_kept(block: nn.Module, saved: list[torch.Tensor]):
-    saved.extend(b.clone() for b in block.buffers())
+def _buffers_kept(block: nn.Module, first_saw: list[Kept]):
+    first_saw.append(Kept(block))
     yield
 
 
 @contextlib.contextmanager
-def _buffers_as_before(block: nn.Module, saved: list[torch.Tensor]):
-    buffers = list(block.buffers())
-    after = [b.clone() for b in buffers]
-    if buffers:
-        torch._foreach_copy_(buffers, saved)
-    try:
+def _buffers_as_before(block: nn.Module, first_saw: list[Kept]):
+    with kept(block):  # afterwards, as the first forward left them
+        first_saw[0].put_back()  # during the recomputation, as the first forward saw them
         yield
-    finally:
-        if buffers:
-            torch._foreach_copy_(buffers, after)
