@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import checkpoint
+from yoloaccum import checkpoint, faults
 from yoloaccum.errors import UserError
 
 RUN = ("imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1", "log_every=1")
@@ -253,12 +253,12 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_last_pt(data, tmp_path
 def test_a_failing_disk_leaves_the_old_file_and_no_temporary_one(tmp_path):
     target = tmp_path / "last.pt"
     checkpoint.save_atomic({"epoch": 1}, target)
-    checkpoint.fail_writes(errno.EIO)
+    faults.fail_writes(errno.EIO)
     try:
         with pytest.raises(UserError, match="Input/output error; the previous last.pt is intact"):
             checkpoint.save_atomic({"epoch": 2}, target)
     finally:
-        checkpoint._failing_writes.clear()
+        faults.writes_work_again()
     assert torch.load(target, weights_only=True) == {"epoch": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 

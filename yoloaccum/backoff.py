@@ -41,7 +41,7 @@ def micro_steps(engine, ni: int, batch: dict[str, Any], last_in_window: bool) ->
     """Forward and backward loader batch ni, the newest of engine.window_batches. On an out-of-memory error, back off
     and run the window again from its first batch, as often as it takes; returns the loss items of batch ni."""
     try:
-        return iteration(engine, ni, batch, last_in_window)
+        return engine.iteration(ni, batch, last_in_window)
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise
@@ -71,7 +71,7 @@ def micro_steps(engine, ni: int, batch: dict[str, Any], last_in_window: bool) ->
             if engine.after_back_off is not None:  # compile=: the new micro-batch sizes, before they run
                 engine.after_back_off()
             for k, b in enumerate(window):
-                items = iteration(engine, first + k, b, last_in_window and k == len(window) - 1)
+                items = engine.iteration(first + k, b, last_in_window and k == len(window) - 1)
             return items
         except RuntimeError as e:
             if not is_out_of_memory(e):
@@ -82,8 +82,6 @@ def micro_steps(engine, ni: int, batch: dict[str, Any], last_in_window: bool) ->
 def iteration(engine, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:
     """One loader batch as engine.split micro-steps; DDP all-reduces in the backward of the window's last one only.
     Returns the loss items averaged over the batch's images."""
-    if engine.fault and engine.fault.applies(ni):
-        engine.fault.trigger(batch)
     parts = chunks(batch, engine.split)
     items = 0.0
     for j, part in enumerate(parts):

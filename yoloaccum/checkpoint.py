@@ -29,12 +29,6 @@ os.umask(_UMASK)
 # The disk, not the program: full, over quota, read-only or failing. The user can fix these and resume.
 DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
 FORMAT = 2  # the training state's layout, written into every last.pt (the module docstring lists the formats)
-_failing_writes: list[int] = []  # test hook (engine.Fault): every write from now on fails with this errno, midway
-
-
-def fail_writes(code: int) -> None:
-    """From now on, every checkpoint write fails halfway with OSError(code), as on a disk that filled up."""
-    _failing_writes[:] = [code]
 
 
 def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
@@ -60,10 +54,7 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; written files follow the umask, as open() would
         with os.fdopen(fd, "wb") as f:
-            if _failing_writes:
-                f.write(data[: len(data) // 2])
-                raise OSError(_failing_writes[0], os.strerror(_failing_writes[0]), tmp)
-            f.write(data)
+            _write(f, data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX within one filesystem
@@ -75,6 +66,10 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _write(f: io.BufferedWriter, data: bytes) -> None:
+    f.write(data)  # faults.fail_writes replaces this, to fail halfway as a full disk does
 
 
 def ultralytics_model(model: torch.nn.Module) -> torch.nn.Module:

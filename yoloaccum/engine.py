@@ -7,11 +7,7 @@ drive the same code with a toy model.
 
 from __future__ import annotations
 
-import errno
 import math
-import os
-import signal
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +68,6 @@ class Engine:
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
-        self.fault = Fault.from_env(self.ctx.rank)
 
     def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None,
                     start: int = 0, should_stop: Callable[[], bool] = lambda: False) -> EpochResult:  # fmt: skip
@@ -113,6 +108,11 @@ class Engine:
             self.window_buffers = Kept(self.raw_model)
         else:
             self.window_buffers.keep()
+
+    def iteration(self, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:
+        """Loader batch ni as `split` micro-steps (backoff.iteration). faults.install wraps it on an engine whose run
+        injects a failure (YOLOACCUM_FAULT); no other engine checks for one."""
+        return backoff.iteration(self, ni, batch, last_in_window)
 
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
@@ -290,57 +290,3 @@ class EpochResult:
 
     done: int
     stopped: str | None  # "interrupted" (a signal) or "diverged" (nan_patience skipped windows in a row)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A test hook: YOLOACCUM_FAULT=KIND@NI[-][:RANK] makes iteration NI (NI- : NI and every later one) fail on RANK
-    (every rank when omitted).
-
-    KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a non-finite
-    input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), `hang` (sleeps
-    forever, as a rank stuck in a driver or a file system), `enospc` / `eio` (every checkpoint write from then on
-    fails, as on a full or failing disk), or `oom` (torch.OutOfMemoryError, what CUDA raises when the device is
-    full), once.
-    """
-
-    kind: str
-    ni: int
-    onwards: bool = False
-
-    @classmethod
-    def from_env(cls, rank: int) -> Fault | None:
-        spec = os.environ.get("YOLOACCUM_FAULT")
-        if not spec:
-            return None
-        kind, _, where = spec.partition("@")
-        ni, _, only_rank = where.partition(":")
-        assert kind in _FAULTS and ni.rstrip("-").isdigit(), f"YOLOACCUM_FAULT={spec} is not KIND@NI[-][:RANK]"
-        if only_rank and int(only_rank) != rank:
-            return None
-        return cls(kind, int(ni.rstrip("-")), ni.endswith("-"))
-
-    def applies(self, ni: int) -> bool:
-        return ni == self.ni or (self.onwards and ni > self.ni)
-
-    def trigger(self, batch: dict[str, Any]) -> None:
-        if self.kind == "raise":
-            raise RuntimeError(f"YOLOACCUM_FAULT: injected failure at iteration {self.ni}")
-        while self.kind == "hang":  # signals run their handlers and the sleep goes on; only SIGKILL ends it
-            time.sleep(3600)
-        if self.kind == "nan":
-            batch["img"] = batch["img"].float() * float("nan")
-        elif self.kind == "oom":
-            if not getattr(self, "oom_raised", False):  # once: not again when the window runs again
-                object.__setattr__(self, "oom_raised", True)
-                raise torch.OutOfMemoryError(f"YOLOACCUM_FAULT: injected out-of-memory error at iteration {self.ni}")
-        elif self.kind in {"enospc", "eio"}:
-            from yoloaccum import checkpoint  # the engine itself never writes; only this hook reaches the disk
-
-            checkpoint.fail_writes(errno.ENOSPC if self.kind == "enospc" else errno.EIO)
-        else:
-            os.kill(os.getpid(), _FAULTS[self.kind])
-
-
-_FAULTS = {"raise": None, "nan": None, "kill": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
-           "enospc": None, "eio": None, "hang": None, "oom": None}  # fmt: skip

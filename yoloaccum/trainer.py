@@ -26,6 +26,7 @@ from yoloaccum import (
     compiler,
     data,
     distributed,
+    faults,
     loss,
     norm,
     optim,
@@ -109,6 +110,7 @@ class Trainer:
             nan_patience=cfg.nan_patience,
             log=self.run.console.print if self.run else (lambda message: None),
         )
+        faults.install(self.engine)  # YOLOACCUM_FAULT, if set: failures injected for failure tests
         self.optimizer = self.engine.optimizer
         self.stopper = EarlyStopping(patience=cfg.patience)
         val_batch = self.schedule.micro_batch * 2  # rank 0 validates alone, on one device
