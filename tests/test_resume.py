@@ -236,18 +236,43 @@ def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_keeps_the_previous_last_pt(data, tmp_path, run_cli):
-    """From iteration 8 (epoch 2) every checkpoint write fails with ENOSPC: epoch 1's last.pt stays, and resumes."""
+    """From iteration 8 (epoch 2) every write into the run folder fails halfway with ENOSPC. The first is epoch 2's
+    rows of schedule.csv: one line, epoch 1's last.pt stays and resumes, and the logs keep every whole row."""
     r = run_cli("train", f"data={data}", *RUN, "epochs=2", f"project={tmp_path}", "name=full",
                 env={"YOLOACCUM_FAULT": "enospc@8"}, timeout=600)  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "No space left on device" in lines[0] and "previous last.pt is intact" in lines[0]
-    weights = tmp_path / "full/weights"
+    run, lines = tmp_path / "full", r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"writing {run / 'schedule.csv'} failed: No space left on device" in lines[0]
+    assert f"{run / 'weights/last.pt'} holds the last saved epoch" in lines[0] and "resume with: " in lines[0]
+    weights = run / "weights"
     assert checkpoint.load(weights / "last.pt")["epoch"] == 0  # epoch 1's
     assert not list(weights.glob(".*.tmp"))
     r = run_cli("train", f"resume={weights / 'last.pt'}", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert checkpoint.load(weights / "last.pt")["epoch"] == 1
+    steps = (run / "schedule.csv").read_text().splitlines()
+    assert [int(row.split(",")[0]) for row in steps[1:]] == sorted({int(row.split(",")[0]) for row in steps[1:]})
+    assert len((run / "results.csv").read_text().splitlines()) == 3  # the header and both epochs, once each
+
+
+def test_a_full_disk_under_any_log_of_the_run_folder_is_one_line(tmp_path):
+    """results.csv (and schedule.csv, args.yaml: the same writer) on a full disk: one line that says what is kept,
+    and the rows already written stay."""
+    from yoloaccum.progress import Results
+
+    results = Results(tmp_path)
+    results.append({"epoch": 1, "loss": 0.5})
+    faults.fail_writes(errno.ENOSPC)
+    try:
+        with pytest.raises(UserError, match=r"results.csv failed: No space left on device; no last.pt was written"):
+            results.append({"epoch": 2, "loss": 0.4})
+    finally:
+        faults.writes_work_again()
+    results.truncate(1)  # a resumed run's: the half-written row goes, the whole ones stay
+    assert (tmp_path / "results.csv").read_text().splitlines() == ["epoch,loss", "1,0.5"]
+    with pytest.raises(UserError, match=r"schedule.png failed: Input/output error"):
+        with checkpoint.disk_errors(tmp_path / "schedule.png"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
 def test_a_failing_disk_leaves_the_old_file_and_no_temporary_one(tmp_path):

@@ -16,9 +16,11 @@ import errno
 import io
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from copy import copy, deepcopy
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -37,15 +39,34 @@ def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     for path in paths:
-        try:
+        with disk_errors(path):
             write_bytes_atomic(buffer.getvalue(), path)
-        except OSError as e:
-            if e.errno not in DISK_ERRORS:
-                raise
+
+
+@contextmanager
+def disk_errors(path: Path) -> Iterator[None]:
+    """A full or failing disk while writing `path`, a file of a run folder (its weights/, logs or pictures), as one
+    line: what is kept, and how to go on. Other errors are bugs, and raise as they are."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        last = (path.parent if path.parent.name == "weights" else path.parent / "weights") / "last.pt"
+        if path.suffix == ".pt":
             kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
-            last = path.parent / "last.pt"
-            hint = f"; resume with: yoloaccum train resume={last}" if last.exists() else ""
-            raise UserError(f"writing {path} failed: {e.strerror}; {kept}; free space on that disk{hint}") from e
+        else:
+            kept = f"{last} holds the last saved epoch" if last.exists() else "no last.pt was written yet"
+        hint = f"; resume with: yoloaccum train resume={last}" if last.exists() else ""
+        raise UserError(f"writing {path} failed: {e.strerror}; {kept}; free space on that disk{hint}") from e
+
+
+@contextmanager
+def open_in_run(path: Path, mode: str) -> Iterator[TextIO]:
+    """A text file of the run folder opened for writing (results.csv, schedule.csv, args.yaml), its disk errors as
+    disk_errors says them."""
+    with disk_errors(path), _open(path, mode, newline="") as f:
+        yield f
 
 
 def write_bytes_atomic(data: bytes, path: Path) -> None:
@@ -69,7 +90,10 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
 
 
 def _write(f: io.BufferedWriter, data: bytes) -> None:
-    f.write(data)  # faults.fail_writes replaces this, to fail halfway as a full disk does
+    f.write(data)  # faults.fail_writes replaces this and _open, to fail halfway as a full disk does
+
+
+_open = open
 
 
 def ultralytics_model(model: torch.nn.Module) -> torch.nn.Module:

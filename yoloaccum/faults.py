@@ -3,13 +3,13 @@
 YOLOACCUM_FAULT=KIND@NI[-][:RANK] makes iteration NI (NI- : NI and every later one) fail on RANK (every rank when
 omitted). KIND is `raise` (an exception, as a crashing rank), `kill` (SIGKILL, as a lost machine), `nan` (a
 non-finite input, hence a non-finite loss), `sigint` / `sigterm` (the signal, sent to this process), `hang` (sleeps
-forever, as a rank stuck in a driver or a file system), `enospc` / `eio` (every checkpoint write from then on fails
-halfway, as on a full or failing disk), or `oom` (torch.OutOfMemoryError, what CUDA raises when the device is full),
-once.
+forever, as a rank stuck in a driver or a file system), `enospc` / `eio` (every write into the run folder from then
+on fails halfway, as on a full or failing disk: checkpoints, results.csv, schedule.csv, args.yaml), or `oom`
+(torch.OutOfMemoryError, what CUDA raises when the device is full), once.
 
 The trainer calls install() once, as it builds the run. Without the variable it returns at once and nothing else
 looks for a fault: the engine and the checkpoint writer carry no test branches. With it, the one engine's
-`iteration` is wrapped, and a disk fault replaces checkpoint._write.
+`iteration` is wrapped, and a disk fault replaces checkpoint._write and checkpoint._open.
 """
 
 from __future__ import annotations
@@ -85,18 +85,36 @@ def install(engine, environ=os.environ) -> Fault | None:
     return fault
 
 
+class _HalfThenFail:
+    """A file of the run folder on a disk that fills up: each write writes half, then fails."""
+
+    def __init__(self, f, code: int):
+        self.f, self.code = f, code
+
+    def write(self, data) -> None:
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        raise OSError(self.code, os.strerror(self.code), self.f.name)
+
+    def __getattr__(self, name: str):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
 def fail_writes(code: int) -> None:
-    """From now on, every checkpoint write fails halfway with OSError(code), as on a disk that filled up."""
-
-    def half_then_fail(f, data: bytes) -> None:
-        f.write(data[: len(data) // 2])
-        raise OSError(code, os.strerror(code), f.name)
-
-    checkpoint._write = half_then_fail
+    """From now on, every write into a run folder (checkpoints, results.csv, schedule.csv, args.yaml) fails halfway
+    with OSError(code), as on a disk that filled up or fails."""
+    checkpoint._write = lambda f, data: _HalfThenFail(f, code).write(data)
+    checkpoint._open = lambda *args, **kwargs: _HalfThenFail(_plain_open(*args, **kwargs), code)
 
 
 def writes_work_again() -> None:
-    checkpoint._write = _plain_write
+    checkpoint._write, checkpoint._open = _plain_write, _plain_open
 
 
-_plain_write = checkpoint._write
+_plain_write, _plain_open = checkpoint._write, checkpoint._open

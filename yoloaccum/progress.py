@@ -16,6 +16,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from yoloaccum.checkpoint import disk_errors, open_in_run
+
 # accumulate and micro_batch (per device) are those the epoch ended with: an out-of-memory back-off changes them.
 EXTRA_COLUMNS = ("accumulate", "effective_batch", "weight_decay", "images_per_second", "micro_batch")
 
@@ -103,7 +105,7 @@ class Results:
             with self.file.open() as f:
                 header = f.readline().strip().split(",")
             assert header == list(row), f"results.csv columns changed: {header} -> {list(row)}"
-        with self.file.open("a", newline="") as f:
+        with open_in_run(self.file, "a") as f:
             writer = csv.DictWriter(f, fieldnames=list(row))
             if new:
                 writer.writeheader()
@@ -115,14 +117,17 @@ class Results:
             return
         with self.file.open() as f:
             rows = list(csv.reader(f))
-        kept = [rows[0]] + [r for r in rows[1:] if int(float(r[0])) <= epochs] if rows else []
-        with self.file.open("w", newline="") as f:
+        # whole rows only: a disk that filled up may have cut the last one
+        whole = [r for r in rows[1:] if len(r) == len(rows[0])]
+        kept = [rows[0]] + [r for r in whole if int(float(r[0])) <= epochs] if rows else []
+        with open_in_run(self.file, "w") as f:
             csv.writer(f).writerows(kept)
 
     def plot(self) -> None:
         from ultralytics.utils.plotting import plot_results
 
-        plot_results(file=self.file)  # matplotlib only: draws every *loss* and metrics/* column
+        with disk_errors(self.file.with_suffix(".png")):
+            plot_results(file=self.file)  # matplotlib only: draws every *loss* and metrics/* column
 
 
 class StepLog:
@@ -136,7 +141,7 @@ class StepLog:
         if not records:
             return
         new = not self.file.exists()
-        with self.file.open("a", newline="") as f:
+        with open_in_run(self.file, "a") as f:
             writer = csv.writer(f)
             if new:
                 lrs = [f"lr/pg{i}" for i in range(len(records[0].lrs))]
@@ -151,6 +156,6 @@ class StepLog:
             return
         with self.file.open() as f:
             rows = list(csv.reader(f))
-        kept = [rows[0]] + [r for r in rows[1:] if int(r[0]) < ni] if rows else []
-        with self.file.open("w", newline="") as f:
+        kept = [rows[0]] + [r for r in rows[1:] if len(r) == len(rows[0]) and int(r[0]) < ni] if rows else []
+        with open_in_run(self.file, "w") as f:
             csv.writer(f).writerows(kept)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from yoloaccum.checkpoint import open_in_run
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
 from yoloaccum.progress import Results
@@ -85,7 +86,8 @@ class RunDir:
             probe.unlink()
         except OSError as e:
             raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
-        (path / "args.yaml").write_text(cfg.to_yaml())
+        with open_in_run(path / "args.yaml", "w") as f:
+            f.write(cfg.to_yaml())
         for log in ("results.csv", "schedule.csv"):
             (path / log).unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
         return cls(path)

@@ -92,7 +92,8 @@ class Trainer:
         if ckpt is not None:
             self.schedule = resume.resumed_schedule(ckpt["yoloaccum"], self.schedule, self.spec.nc)
             if self.run and resume.extension_note(ckpt["yoloaccum"], cfg):
-                (self.run.path / "args.yaml").write_text(cfg.to_yaml())  # the run's settings now: its new epochs
+                with checkpoint.open_in_run(self.run.path / "args.yaml", "w") as f:
+                    f.write(cfg.to_yaml())  # the run's settings now: its new epochs
         self.loader = self._loader()
         if cfg.bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
             norm.convert(self.raw_model, model_.bn_window(cfg, self.ctx.world_size))
