@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint format clean bench bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity
+.PHONY: install train test test-fast lint format clean bench bench-defaults bench-precise-bn bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity
 
 install: $(STAMP)
 
@@ -43,7 +43,15 @@ clean:
 bench-ddp: install
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py
 bench: install  # its duration on 2 CPU cores: docs/performance.md
+	$(BIN)/python benchmarks/defaults.py
+	$(BIN)/python benchmarks/precise_bn.py cost
 	$(BIN)/python benchmarks/bench.py
+
+bench-defaults: install  # make bench's headline alone: both trainers at their defaults, whole process and per epoch
+	$(BIN)/python benchmarks/defaults.py
+
+bench-precise-bn: install  # precise_bn's share of an epoch on make train's recipe and BCCD
+	$(BIN)/python benchmarks/precise_bn.py cost
 
 bench-smoke: install
 	$(BIN)/python benchmarks/bench.py --smoke

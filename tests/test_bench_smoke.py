@@ -67,3 +67,12 @@ def test_small_benchmarks_run(script, expect, tmp_path):
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert expect in r.stdout
+
+
+def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/defaults.py", "--smoke"], cwd=REPO, env=scratch_env(tmp_path),
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| smoke |")).split("|")
+    seconds = [float(cell.strip().removesuffix("s")) for cell in (row[3], row[4], row[6], row[7])]
+    assert all(s > 0 for s in seconds), row

@@ -75,7 +75,26 @@ def test_every_layer_is_recomputed_and_modes_are_restored():
     after = [m.running_var for m in precise_bn.bn_layers(model)]
     assert all(not torch.equal(a, b) for a, b in zip(after, before))
     assert not any(m.training for m in model.modules())  # eval before, eval after
+    assert all(m.momentum == 0.03 for m in precise_bn.bn_layers(model))  # Ultralytics' momentum, back after the pass
     assert all(torch.isfinite(v).all() for v in after)
+
+
+def test_auto_sizes_the_sample_to_the_training_set_and_a_count_is_taken_as_given():
+    size = precise_bn.sample_size
+    assert [size("auto", n) for n in (4, 292, 512, 1000, 118_287)] == [4, 64, 64, 125, 256]  # coco8 to COCO
+    assert size(100, 40) == 40 and size(100, 512) == 100 and size(0, 512) == 0
+
+
+def test_precise_bn_is_auto_or_a_count_of_images():
+    from yoloaccum import config
+    from yoloaccum.errors import UserError
+
+    assert config.resolve([]).precise_bn == "auto"
+    assert config.resolve(["precise_bn=32"]).precise_bn == 32 and config.resolve(["precise_bn=0"]).precise_bn == 0
+    with pytest.raises(UserError, match="precise_bn=some is not auto or a number of images"):
+        config.resolve(["precise_bn=some"])
+    with pytest.raises(UserError, match="must not be negative"):
+        config.resolve(["precise_bn=-1"])
 
 
 @pytest.mark.slow

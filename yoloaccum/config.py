@@ -242,6 +242,8 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
 def _check_range(k: str, v: Any) -> None:
     if k in CHOICES and v not in CHOICES[k]:
         raise UserError(f"{k}={v} is not one of {', '.join(CHOICES[k])}")
+    if k == "precise_bn" and isinstance(v, str) and v != "auto":
+        raise UserError(f"precise_bn={v} is not auto or a number of images (0 turns it off)")
     if k == "compile" and isinstance(v, str) and v not in COMPILE_MODES:
         raise UserError(f"compile={v} is not True, False or a mode: {', '.join(COMPILE_MODES)}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):

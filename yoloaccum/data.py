@@ -276,8 +276,9 @@ def build_loader(
 
 
 def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> torch.Tensor:
-    """This rank's share of the cfg.precise_bn training images that BatchNorm statistics are recomputed on, as one
-    uint8 tensor (its share of N) x 3 x imgsz x imgsz: the first N of the seed's permutation of the training set.
+    """This rank's share of the N training images (N = precise_bn.sample_size) that BatchNorm statistics are
+    recomputed on, as one uint8 tensor (its share of N) x 3 x imgsz x imgsz: the first N of the seed's permutation
+    of the training set.
 
     With cfg.precise_bn_aug each is drawn as the recipe's training augmentation draws it, mosaic included whatever
     close_mosaic does later (measured best: docs/accuracy.md); without, letterboxed only, as inference sees it.
@@ -287,6 +288,7 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
 
     import numpy as np
 
+    from yoloaccum import precise_bn
     from yoloaccum.resume import rng_kept
 
     with rng_kept():
@@ -294,7 +296,8 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
         random.seed(cfg.seed)  # Ultralytics' transforms draw from all three generators
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.precise_bn]
+        count = precise_bn.sample_size(cfg.precise_bn, len(dataset))
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[:count]
         images = [dataset[i]["img"] for i in order.tolist()]
     mine = images[rank::world]
     return torch.stack(mine) if mine else torch.zeros(0, 3, cfg.imgsz, cfg.imgsz, dtype=torch.uint8)

@@ -3,19 +3,22 @@ matrices and curves, and schedule.png, drawn from what the run logged in schedul
 
 Importing yoloaccum.ultra first replaces Ultralytics' font download with a font matplotlib ships, so nothing here
 reaches the network. The training-batch grids are drawn in a background thread (Ultralytics' plot_images does so by
-default), so training does not wait for them.
+default), so training does not wait for them; so is labels.jpg, which is finished before the final validation draws
+with matplotlib (pyplot is not thread-safe).
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import yoloaccum.ultra  # noqa: F401  (offline, and check_font patched, before any Ultralytics plotting import)
+from yoloaccum.checkpoint import disk_errors
 from yoloaccum.schedule import Schedule
 
 
@@ -27,6 +30,14 @@ def labels(dataset, names: dict[int, str], save_dir: Path) -> None:
     cls = np.concatenate([lb["cls"] for lb in dataset.labels], 0)
     if len(cls):  # a set of background images only has nothing to draw
         plot_labels(boxes, cls.squeeze(-1), names=names, save_dir=save_dir)
+
+
+def in_background(draw: Callable[..., None], *args) -> threading.Thread:
+    """draw(*args) in a thread of its own, started now; join it before anything else draws with pyplot. Not a daemon,
+    as Ultralytics' threaded plots: a picture being written when training ends is finished, not cut."""
+    thread = threading.Thread(target=draw, args=args, name=f"plot-{draw.__name__}")
+    thread.start()
+    return thread
 
 
 def train_batch_indices(schedule: Schedule, close_mosaic: int) -> frozenset[int]:
@@ -78,7 +89,8 @@ def schedule(steps_csv: Path, path: Path) -> None:
     axes[0].set_title(f"as run: {len(rows)} optimizer steps" + (f", {len(skipped)} skipped (red)" if skipped else ""))
     axes[-1].set_xlabel("iteration (ni) at the end of the window")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with disk_errors(path):
+        fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -30,21 +30,34 @@ from yoloaccum.engine import model_input
 
 _BN = nn.modules.batchnorm._BatchNorm
 BATCH = 64  # images per forward pass: as good as one pass of all 256 images on the runs measured (docs/accuracy.md)
+# precise_bn=auto: an eighth of the training set, within these bounds (benchmarks/precise_bn.md measured the choice)
+AUTO_SHARE, AUTO_MIN, AUTO_MAX = 8, 64, 256
+
+
+def sample_size(precise_bn: int | str, num_train: int) -> int:
+    """How many training images the recompute passes: precise_bn of them (all, if fewer), or with `auto` an eighth
+    of the training set, at least AUTO_MIN and at most AUTO_MAX. On a small set the pass over all its images would be
+    a large part of every epoch, and fewer give the same statistics (benchmarks/precise_bn.md)."""
+    if precise_bn == "auto":
+        precise_bn = min(AUTO_MAX, max(AUTO_MIN, num_train // AUTO_SHARE))
+    return min(int(precise_bn), num_train)
 
 
 class _Moments:
-    """Per-channel count, sum of x and sum of x^2 of one layer's inputs, accumulated in float64."""
+    """Per-channel count, sum of x and sum of x^2 of one layer's inputs, accumulated in float64.
+
+    The layer computes each micro-batch's mean and variance itself (it normalises with them): with momentum 1 its
+    running statistics are exactly those after every forward, so this hook only reads C numbers of each. Computing
+    them again from the input, as the hook first did, cost as much as the forward pass (benchmarks/precise_bn.md)."""
 
     def __init__(self, layer: _BN):
         self.sums = torch.zeros(3, layer.num_features, dtype=torch.float64, device=layer.running_mean.device)
 
-    def __call__(self, layer: _BN, inputs: tuple[torch.Tensor, ...]) -> None:
-        x = inputs[0].detach()
-        dims = [d for d in range(x.ndim) if d != 1]
+    def __call__(self, layer: _BN, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        x = inputs[0]
         count = x.numel() // x.shape[1]
-        # Each micro-batch's moments in float32 about its own mean (stable), then combined in float64.
-        var, mean = torch.var_mean(x.float(), dim=dims, unbiased=False)
-        mean, var = mean.double(), var.double()
+        mean = layer.running_mean.double()
+        var = layer.running_var.double() * (count - 1) / count  # BatchNorm keeps the unbiased estimate
         self.sums[0] += count
         self.sums[1] += mean * count
         self.sums[2] += (var + mean * mean) * count
@@ -65,11 +78,13 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
     if not layers:
         return 0
     moments = [_Moments(layer) for layer in layers]
-    hooks = [layer.register_forward_pre_hook(m) for layer, m in zip(layers, moments)]
+    hooks = [layer.register_forward_hook(m) for layer, m in zip(layers, moments)]
     modes = {m: m.training for m in model.modules()}
+    momenta = [layer.momentum for layer in layers]
     model.eval()
     for layer in layers:
-        layer.train()  # normalise with each micro-batch's statistics; its running update is overwritten below
+        layer.train()  # normalise with each micro-batch's statistics; its running statistics become them (momentum 1)
+        layer.momentum = 1.0
     num_images = 0
     try:
         for img in batches:
@@ -80,6 +95,8 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
             h.remove()
         for m, training in modes.items():
             m.train(training)
+        for layer, momentum in zip(layers, momenta):
+            layer.momentum = momentum
     _set_statistics(layers, moments, ctx)
     return num_images
 

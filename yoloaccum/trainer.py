@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import gc
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -127,6 +128,7 @@ class Trainer:
         self.plot_at = plots.train_batch_indices(self.schedule, cfg.close_mosaic) if cfg.plots else frozenset()
         self.rank_states: list[dict] | None = None  # on rank 0, every rank's, gathered before each save
         self.compiled: compiler.Compiled | None = None  # compile=: compiled at the start of train()
+        self.drawing: threading.Thread | None = None  # labels.jpg, drawn in the background
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
 
@@ -140,8 +142,8 @@ class Trainer:
         """Run the remaining epochs; returns the final metrics (best.pt's, as Ultralytics' final_eval)."""
         s, cfg = self.schedule, self.cfg
         if self.run:
-            self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers,
-                              min(cfg.precise_bn, len(self.train_set)), self.batch_choice)  # fmt: skip
+            precise = precise_bn.sample_size(cfg.precise_bn, len(self.train_set))
+            self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers, precise, self.batch_choice)
             if cfg.bn == "window":
                 window, per_device = model_.bn_window(cfg, self.ctx.world_size), s.micro_batch // self.ctx.world_size
                 self.run.console.print(f"BatchNorm: bn={cfg.bn}, each layer normalises micro-batches of {per_device} "
@@ -151,8 +153,8 @@ class Trainer:
                     self.run.console.print(f"[yellow]warning:[/] bn_window={window} holds no more than one micro-batch "
                                            f"of {per_device}: each is normalised with its own statistics, as with "
                                            "bn=batch; give bn_window above it")  # fmt: skip
-            if cfg.plots and self.position == (0, 0):
-                plots.labels(self.train_set, self.spec.names, self.run.path)
+            if cfg.plots and self.position == (0, 0):  # drawn while the first epoch trains
+                self.drawing = plots.in_background(plots.labels, self.train_set, self.spec.names, self.run.path)
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
             say = self.run.console.print if self.run else (lambda message: None)
             self.compiled = compiler.for_run(cfg, self.engine, len(self.train_set), say)
@@ -239,6 +241,8 @@ class Trainer:
         else:
             model, title = copy.deepcopy(self.ema.ema), "final figures: the last epoch's EMA (save=False)"
         self._follow_back_offs()
+        if self.drawing is not None:
+            self.drawing.join()  # labels.jpg is done before the validation draws its curves
         self.metrics = self.evaluator.evaluate(model.fuse(verbose=False).to(self.ctx.device), plots=self.cfg.plots)
         show_metrics(self.run.console, self.metrics, title)
         return self.metrics

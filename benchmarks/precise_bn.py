@@ -1,0 +1,189 @@
+"""precise_bn: what it costs in an epoch, and how many images give the statistics that all of them give.
+
+    python benchmarks/precise_bn.py cost                  # make bench-precise-bn: its share of an epoch, two sets
+    python benchmarks/precise_bn.py size RUN [RUN ...]    # the same weights validated after recomputes over N images
+    python benchmarks/precise_bn.py report                # benchmarks/precise_bn.md from the kept figures
+
+cost: yoloaccum's trainer in this process, as `yoloaccum train` runs it at its defaults (validation every epoch,
+precise_bn as shipped, plots off: they are make bench's), on `make train`'s recipe (datasets/shapes.yaml, 512 images
+at 160 px, batch 8, nbs 64, workers 2) and on BCCD (../shared/datasets/bccd.yaml, 292 photographs at 256 px, the
+accuracy benchmark's size; skipped when absent), EPOCHS epochs each with mosaic on. Per epoch it times training,
+the recompute and validation; the share is the recompute's time over the three's. Drawing the kept images happens
+once, at the first recompute, and is reported apart.
+
+size: for each run folder (trained with save_period, so weights/epoch*.pt exist), every saved epoch's EMA weights
+validated after a recompute over N images, N in SIZES, drawn as the trainer draws them (the first N of the seed's
+permutation, with the recipe's augmentation). The paired difference to the largest N says what fewer images lose.
+Figures are kept in benchmarks/precise_bn.json, so runs add up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import REPO, shapes_data  # noqa: E402  (imports yoloaccum.ultra: ultralytics offline)
+from fidelity import BCCD, BCCD_YAML, T95  # noqa: E402
+
+STORE = HERE / "precise_bn.json"
+EPOCHS = 3
+SIZES = (32, 64, 128, 256)
+MAKE_TRAIN = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64, "workers": 2, "warmup_epochs": 1,
+              "close_mosaic": 0}  # fmt: skip
+
+
+def cost(data: Path, settings: dict, epochs: int) -> dict:
+    """Seconds per epoch of training, recompute and validation, in a trainer run as `yoloaccum train` runs it."""
+    from yoloaccum import config, trainer
+
+    args = {**settings, "data": str(data), "epochs": epochs, "plots": False, "verbose": False}
+    cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + [f"project={tempfile.mkdtemp()}", "name=cost"])
+    times: dict[str, list[float]] = {"train": [], "precise_bn": [], "validation": [], "draw": []}
+
+    class Timed(trainer.Trainer):
+        def train_epoch(self, *args):
+            start = time.perf_counter()
+            out = super().train_epoch(*args)
+            times["train"].append(time.perf_counter() - start)
+            return out
+
+        def recompute_bn(self):
+            start = time.perf_counter()
+            if self.bn_images is None:  # the draw, once
+                from yoloaccum import data as data_
+
+                self.bn_images = data_.precise_bn_images(self.cfg, self.spec, self.ctx.rank, self.ctx.world_size)
+                times["draw"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+            super().recompute_bn()
+            times["precise_bn"].append(time.perf_counter() - start)
+
+    class TimedEvaluator:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def evaluate(self, *args, **kwargs):
+            start = time.perf_counter()
+            out = self.inner.evaluate(*args, **kwargs)
+            times["validation"].append(time.perf_counter() - start)
+            return out
+
+    run = Timed(cfg)
+    run.evaluator = TimedEvaluator(run.evaluator)
+    run.train()
+    times["validation"] = times["validation"][:epochs]  # the final validation of best.pt is not an epoch's
+    images = int(len(run.bn_images)) if run.bn_images is not None else 0
+    return {"images": images, "train_images": len(run.train_set), **times}
+
+
+def cost_rows(rows: dict) -> list[str]:
+    lines = ["| set | precise_bn images | train s/epoch | precise_bn s/epoch | validation s/epoch | precise_bn share "
+             "| drawing the images (once) |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, r in rows.items():
+        # the first epoch's figures are left out: it also starts the loader's workers and warms the allocator
+        t, p, v = (statistics.median(r[k][1:] or r[k]) for k in ("train", "precise_bn", "validation"))
+        lines.append(f"| {name} ({r['train_images']} training images) | {r['images']} | {t:.2f} | {p:.2f} | {v:.2f} "
+                     f"| {p / (t + p + v):.1%} | {r['draw'][0]:.2f} s |")  # fmt: skip
+    return lines
+
+
+def size(run: Path, sizes=SIZES) -> dict:
+    """{epoch: {N: mAP50-95}} for every weights/epoch*.pt of a run, recomputed over N images each."""
+    import torch
+
+    from yoloaccum import checkpoint, config, distributed, precise_bn
+    from yoloaccum import data as data_
+    from yoloaccum.validate import Evaluator
+
+    saved = yaml_args(run)
+    cfg = config.resolve(overrides={"data": saved["data"], "imgsz": saved["imgsz"], "seed": saved["seed"],
+                                    "workers": 0, "precise_bn": max(sizes)})  # fmt: skip
+    spec, cpu = data_.load_spec(cfg.data), torch.device("cpu")
+    evaluator = Evaluator(cfg, spec, Path(tempfile.mkdtemp()), 16, cpu)
+    drawn = data_.precise_bn_images(cfg, spec, 0, 1)  # the first N of these are the trainer's draw for N
+    out = {}
+    for weights in sorted(run.glob("weights/epoch*.pt"), key=lambda p: int(p.stem.removeprefix("epoch"))):
+        out[weights.stem] = {}
+        for n in sizes:
+            model = checkpoint.model_of(checkpoint.load(weights, trust=True))
+            precise_bn.recompute_images(model, drawn[:n], distributed.Context(0, 0, 1, cpu))
+            out[weights.stem][str(n)] = round(evaluator.evaluate(model)["metrics/mAP50-95(B)"], 4)
+        print(run.name, weights.stem, out[weights.stem], flush=True)
+    return out
+
+
+def yaml_args(run: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((run / "args.yaml").read_text())
+
+
+def size_rows(runs: dict) -> list[str]:
+    """Per N: the mean mAP50-95, and the paired difference to the largest N. The unit is the run: its checkpoints
+    share one draw of images, so their differences are not independent; the interval is over the runs' means."""
+    reference = str(max(SIZES))
+    points = sum(map(len, runs.values()))
+    lines = [f"| N | mAP50-95, mean over {points} checkpoints of {len(runs)} runs | paired difference to "
+             f"N={reference}: per run | mean, 95% interval over runs | checkpoints lower |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for n in map(str, SIZES):
+        per_run = [statistics.fmean(p[n] - p[reference] for p in r.values()) for r in runs.values()]
+        mean = statistics.fmean(per_run)
+        half = T95[len(per_run) - 2] * statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else 0.0
+        lower = sum(p[n] < p[reference] for r in runs.values() for p in r.values())
+        mean_map = statistics.fmean(p[n] for r in runs.values() for p in r.values())
+        lines.append(f"| {n} | {mean_map:.4f} | {' '.join(f'{d:+.4f}' for d in per_run)} | {mean:+.4f} "
+                     f"[{mean - half:+.4f}, {mean + half:+.4f}] | {lower} of {points} |")  # fmt: skip
+    return lines
+
+
+def report(store: dict) -> str:
+    out = ["# precise_bn: cost and sample size", "", "Written by `python benchmarks/precise_bn.py` (its docstring says "
+           "how it measures) on the 2-core CPU machine, one job at a time.", ""]  # fmt: skip
+    if store.get("cost"):
+        out += ["## Cost, as `yoloaccum train` runs it (`python benchmarks/precise_bn.py cost`)", "",
+                *cost_rows(store["cost"]), ""]  # fmt: skip
+    if store.get("size"):
+        each = "; ".join(f"{run} {e}: " + " ".join(f"{v:.3f}" for v in p.values())
+                         for run, r in store["size"].items() for e, p in r.items())  # fmt: skip
+        out += ["## Sample size (`python benchmarks/precise_bn.py size RUN ...`)", "",
+                f"mAP50-95 per checkpoint, N = {', '.join(map(str, SIZES))}: {each}.", "", *size_rows(store["size"]),
+                ""]  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["cost", "size", "report"])
+    parser.add_argument("runs", nargs="*", type=Path, help="size: run folders with weights/epoch*.pt")
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    a = parser.parse_args()
+    store = json.loads(STORE.read_text()) if STORE.exists() else {}
+    if a.what == "cost":
+        sets = {"make train's recipe": (shapes_data(None, smoke=False), MAKE_TRAIN)}
+        if BCCD_YAML.exists():
+            sets["BCCD"] = (BCCD_YAML, {**MAKE_TRAIN, "imgsz": BCCD["imgsz"]})
+        else:
+            print(f"{BCCD_YAML} is absent: BCCD skipped")
+        store["cost"] = {name: cost(data, settings, a.epochs) for name, (data, settings) in sets.items()}
+    elif a.what == "size":
+        store.setdefault("size", {}).update({str(run.relative_to(REPO) if run.is_relative_to(REPO) else run):
+                                             size(run.resolve()) for run in a.runs})  # fmt: skip
+    STORE.write_text(json.dumps(store, indent=1))
+    text = report(store)
+    (HERE / "precise_bn.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
