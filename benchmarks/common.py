@@ -45,6 +45,16 @@ def shapes_data(folder: str | None, smoke: bool, counts: dict | None = None) -> 
     return path
 
 
+def absolute_yaml(data: Path) -> Path:
+    """A copy of a dataset YAML with its `path` made absolute: Ultralytics resolves a relative one against its own
+    datasets folder, yoloaccum against the YAML's."""
+    spec = yaml.safe_load(data.read_text())
+    spec["path"] = str((data.parent / spec.get("path", ".")).resolve())
+    path = Path(tempfile.mkdtemp()) / data.name
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 def make_batches(n: int, micro: int, imgsz: int, seed: int = 0) -> list[dict]:
     """n synthetic micro-batches, 1 to 4 objects an image, already in memory."""
     g = torch.Generator().manual_seed(seed)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import REPO, shapes_data  # noqa: E402
+from common import REPO, absolute_yaml, shapes_data  # noqa: E402
 from fidelity import BCCD, BCCD_YAML  # noqa: E402
 
 BASE = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64}
@@ -55,7 +55,7 @@ def sets(names: list[str], smoke: bool) -> dict[str, tuple[Path, dict, int]]:
         out["make-train"] = (shapes_data(None, smoke=False), {**BASE, **MAKE_TRAIN}, 0)
     if "bccd" in names:
         if BCCD_YAML.exists():
-            out["bccd"] = (BCCD_YAML, {**BASE, "imgsz": BCCD["imgsz"], "epochs": 3}, 1)
+            out["bccd"] = (absolute_yaml(BCCD_YAML), {**BASE, "imgsz": BCCD["imgsz"], "epochs": 3}, 1)
         else:
             print(f"{BCCD_YAML} is absent: the BCCD row is skipped")
     return out
@@ -128,10 +128,13 @@ def main() -> None:
         for i in range(repeats):
             results[name].append(one_repeat(data, settings))
             print(name, i, results[name][-1], flush=True)
+    store = HERE / "defaults.json"
+    if not a.smoke and store.exists():  # the sets not run this time keep their last figures
+        results = {**json.loads(store.read_text()), **results}
     table = rows(results)
     print("\n".join(table))
     if not a.smoke:
-        (HERE / "defaults.json").write_text(json.dumps(results, indent=1))
+        store.write_text(json.dumps(results, indent=1))
         (HERE / "defaults.md").write_text("Measured by `python benchmarks/defaults.py` (in `make bench`) on the 2-core "
                                           "CPU machine; settings and method in its docstring.\n\n"
                                           + "\n".join(table) + "\n")  # fmt: skip

@@ -100,8 +100,10 @@ def dataset(size: dict, folder: str) -> Path:
     """The runs' data: BCCD from ../shared, or the shapes set generated with the size's counts."""
     from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
 
-    if size.get("dataset") == "bccd":
-        return BCCD_YAML
+    if size.get("dataset") == "bccd":  # absolute: Ultralytics' trainer resolves a relative path elsewhere
+        from common import absolute_yaml
+
+        return absolute_yaml(BCCD_YAML)
     return shapes_data(folder, smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
                                                     "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
 

@@ -1,6 +1,7 @@
 """precise_bn: what it costs in an epoch, and how many images give the statistics that all of them give.
 
     python benchmarks/precise_bn.py cost                  # make bench-precise-bn: its share of an epoch, two sets
+    python benchmarks/precise_bn.py where                 # where a recompute's time goes
     python benchmarks/precise_bn.py size RUN [RUN ...]    # the same weights validated after recomputes over N images
     python benchmarks/precise_bn.py report                # benchmarks/precise_bn.md from the kept figures
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import REPO, shapes_data  # noqa: E402  (imports yoloaccum.ultra: ultralytics offline)
+from common import shapes_data  # noqa: E402  (imports yoloaccum.ultra: ultralytics offline)
 from fidelity import BCCD, BCCD_YAML, T95  # noqa: E402
 
 STORE = HERE / "precise_bn.json"
@@ -86,6 +87,49 @@ def cost(data: Path, settings: dict, epochs: int) -> dict:
     return {"images": images, "train_images": len(run.train_set), **times}
 
 
+def where(imgsz: int = 160, n: int = 256, repeats: int = 5) -> dict:
+    """Where a recompute's time goes, on yolo26n and n random images, each variant timed `repeats` times in turn:
+    the forward passes alone (BatchNorm in training mode, as the recompute runs them), the recompute as shipped
+    (BatchNorm's own statistics read after each layer), and the first version's hooks (each layer's input reduced
+    again to its mean and variance). Medians in seconds."""
+    import torch
+    from ultralytics.nn.tasks import DetectionModel
+
+    from yoloaccum import precise_bn
+    from yoloaccum.distributed import Context
+    from yoloaccum.engine import model_input
+
+    model = DetectionModel("yolo26n.yaml", nc=3, verbose=False).to(memory_format=torch.channels_last)
+    ctx, images = Context(0, 0, 1, torch.device("cpu")), torch.randint(0, 255, (n, 3, imgsz, imgsz), dtype=torch.uint8)
+    layers = precise_bn.bn_layers(model)
+
+    def input_moments(layer, inputs):  # the first version's hook
+        x = inputs[0].detach()
+        torch.var_mean(x.float(), dim=[d for d in range(x.ndim) if d != 1], unbiased=False)
+
+    def passes(hook=None):
+        hooks = [layer.register_forward_pre_hook(hook) for layer in layers] if hook else []
+        model.eval()
+        for layer in layers:
+            layer.train()
+        with torch.no_grad():
+            for x in images.split(precise_bn.BATCH):
+                model(model_input(x, ctx.device))
+        for h in hooks:
+            h.remove()
+
+    variants = {"forward passes alone": passes, "recompute as shipped": lambda: precise_bn.recompute_images(
+        model, images, ctx), "forward + the first version's input hooks": lambda: passes(input_moments)}  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {"images": n, "imgsz": imgsz, "threads": torch.get_num_threads(),
+            **{k: statistics.median(v) for k, v in times.items()}}  # fmt: skip
+
+
 def cost_rows(rows: dict) -> list[str]:
     lines = ["| set | precise_bn images | train s/epoch | precise_bn s/epoch | validation s/epoch | precise_bn share "
              "| drawing the images (once) |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -131,12 +175,13 @@ def yaml_args(run: Path) -> dict:
 def size_rows(runs: dict) -> list[str]:
     """Per N: the mean mAP50-95, and the paired difference to the largest N. The unit is the run: its checkpoints
     share one draw of images, so their differences are not independent; the interval is over the runs' means."""
-    reference = str(max(SIZES))
+    sizes = sorted(next(iter(next(iter(runs.values())).values())), key=int)
+    reference = sizes[-1]
     points = sum(map(len, runs.values()))
     lines = [f"| N | mAP50-95, mean over {points} checkpoints of {len(runs)} runs | paired difference to "
              f"N={reference}: per run | mean, 95% interval over runs | checkpoints lower |",
              "| --- | --- | --- | --- | --- |"]  # fmt: skip
-    for n in map(str, SIZES):
+    for n in sizes:
         per_run = [statistics.fmean(p[n] - p[reference] for p in r.values()) for r in runs.values()]
         mean = statistics.fmean(per_run)
         half = T95[len(per_run) - 2] * statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else 0.0
@@ -153,20 +198,30 @@ def report(store: dict) -> str:
     if store.get("cost"):
         out += ["## Cost, as `yoloaccum train` runs it (`python benchmarks/precise_bn.py cost`)", "",
                 *cost_rows(store["cost"]), ""]  # fmt: skip
-    if store.get("size"):
+    if store.get("where"):
+        w = store["where"]
+        base = w["forward passes alone"]
+        out += [f"## Where the time goes (`python benchmarks/precise_bn.py where`): {w['images']} images at "
+                f"{w['imgsz']} px, yolo26n, {w['threads']} threads, median of 5", "", "| variant | s | vs the passes |",
+                "| --- | --- | --- |"]  # fmt: skip
+        out += [f"| {k} | {w[k]:.2f} | {w[k] / base:.2f}x |" for k in w if k not in ("images", "imgsz", "threads")]
+        out.append("")
+    for label, runs in store.get("size", {}).items():
         each = "; ".join(f"{run} {e}: " + " ".join(f"{v:.3f}" for v in p.values())
-                         for run, r in store["size"].items() for e, p in r.items())  # fmt: skip
-        out += ["## Sample size (`python benchmarks/precise_bn.py size RUN ...`)", "",
-                f"mAP50-95 per checkpoint, N = {', '.join(map(str, SIZES))}: {each}.", "", *size_rows(store["size"]),
-                ""]  # fmt: skip
+                         for run, r in runs.items() for e, p in r.items())  # fmt: skip
+        sizes = ", ".join(next(iter(next(iter(runs.values())).values())))
+        out += [f"## Sample size on {label} (`python benchmarks/precise_bn.py size RUN ... --label ...`)", "",
+                f"mAP50-95 per checkpoint, N = {sizes}: {each}.", "", *size_rows(runs), ""]  # fmt: skip
     return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["cost", "size", "report"])
+    parser.add_argument("what", choices=["cost", "where", "size", "report"])
     parser.add_argument("runs", nargs="*", type=Path, help="size: run folders with weights/epoch*.pt")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="size: the Ns (default: SIZES)")
+    parser.add_argument("--label", default="make train's set", help="size: the set the runs trained on")
     a = parser.parse_args()
     store = json.loads(STORE.read_text()) if STORE.exists() else {}
     if a.what == "cost":
@@ -176,9 +231,12 @@ def main() -> None:
         else:
             print(f"{BCCD_YAML} is absent: BCCD skipped")
         store["cost"] = {name: cost(data, settings, a.epochs) for name, (data, settings) in sets.items()}
+    elif a.what == "where":
+        store["where"] = where()
     elif a.what == "size":
-        store.setdefault("size", {}).update({str(run.relative_to(REPO) if run.is_relative_to(REPO) else run):
-                                             size(run.resolve()) for run in a.runs})  # fmt: skip
+        store.setdefault("size", {}).setdefault(a.label, {}).update(
+            {str(run): size(run.resolve(), sorted(a.sizes)) for run in a.runs}
+        )
     STORE.write_text(json.dumps(store, indent=1))
     text = report(store)
     (HERE / "precise_bn.md").write_text(text + "\n")

@@ -124,6 +124,16 @@ def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_pa
     assert "resuming 2 rank(s) on 1: the weights, optimizer, image order and schedule continue exactly" in r.stdout
 
 
+def kill_every_process_of(folder: Path) -> None:
+    """SIGKILL to every process whose command line names `folder` (the test's own tmp_path)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(folder) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass  # gone meanwhile
+
+
 @pytest.mark.slow
 def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
     """Rank 1 sleeps forever at iteration 8; rank 0 waits at its window's end, 9, for ddp_timeout, names it and exits
@@ -138,7 +148,7 @@ def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
     start, lines = time.monotonic(), []
     job = subprocess.Popen(cmd, cwd=REPO, env=offline_env({"YOLOACCUM_FAULT": "hang@8:1"}), stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    watchdog = threading.Timer(150, os.killpg, (job.pid, signal.SIGKILL))  # a job that never says it: ends stderr
+    watchdog = threading.Timer(150, kill_every_process_of, (tmp_path,))  # a job that never says it: ends stderr
     watchdog.start()
     try:
         for line in job.stderr:  # rank 0's one line, printed as it exits with code 2
@@ -147,7 +157,7 @@ def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
                 break
     finally:
         watchdog.cancel()
-        os.killpg(job.pid, signal.SIGKILL)
+        kill_every_process_of(tmp_path)  # torchrun and its ranks, which run in sessions of their own
         job.wait()
     stderr = "".join(lines)
     assert "error: rank 1 (last at iteration 7) did not reach iteration 9 within ddp_timeout=10s" in stderr, stderr
