@@ -23,7 +23,7 @@ train: install
 		workers=2 warmup_epochs=1 close_mosaic=5 project=runs/train name=shapes
 
 test: install
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
