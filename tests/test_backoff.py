@@ -10,6 +10,7 @@ from conftest import SERIAL, final_weights, relative_difference
 from test_engine import make_engine, toy_batches
 from torch import nn
 
+from yoloaccum import faults
 from yoloaccum.backoff import chunks
 
 
@@ -18,13 +19,12 @@ def bn_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
 
 
-def test_a_window_that_runs_out_of_memory_ends_as_a_run_at_half_the_micro_batch(monkeypatch):
+def test_a_window_that_runs_out_of_memory_ends_as_a_run_at_half_the_micro_batch():
     # 80 images: micro-batches of 8 accumulated 4 times (windows of 32, 32 and 16 images), against micro-batches of 4
     # accumulated 8 times: the same images in each window. The error comes in the first window's second batch, after
     # the first batch has added its gradient and moved BatchNorm's statistics: both must be dropped.
-    monkeypatch.setenv("YOLOACCUM_FAULT", "oom@1")
     backed_off = make_engine(bn_model(), num_images=80, batch=8, nbs=32)
-    monkeypatch.delenv("YOLOACCUM_FAULT")
+    faults.install(backed_off, {"YOLOACCUM_FAULT": "oom@1"})  # as the trainer installs it
     halved = make_engine(bn_model(), num_images=80, batch=4, nbs=32)
     backed_off.train_epoch(0, toy_batches(80, 8))
     halved.train_epoch(0, toy_batches(80, 4))
@@ -35,11 +35,11 @@ def test_a_window_that_runs_out_of_memory_ends_as_a_run_at_half_the_micro_batch(
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_out_of_memory_at_one_image_per_device_says_what_to_do(monkeypatch):
+def test_out_of_memory_at_one_image_per_device_says_what_to_do():
     from yoloaccum.errors import UserError
 
-    monkeypatch.setenv("YOLOACCUM_FAULT", "oom@0")
     engine = make_engine(bn_model(), num_images=8, batch=2, nbs=2)
+    faults.install(engine, {"YOLOACCUM_FAULT": "oom@0"})
     engine.split = 2  # already backed off to one image
     with pytest.raises(UserError, match="1 image per device"):
         engine.train_epoch(0, toy_batches(8, 2))

@@ -10,7 +10,7 @@ from conftest import SERIAL, final_weights, relative_difference, shapes_yaml
 from test_engine import make_engine, toy_batches
 from torch import nn
 
-from yoloaccum import norm
+from yoloaccum import faults, norm
 from yoloaccum.errors import UserError
 from yoloaccum.norm import WindowBatchNorm2d
 
@@ -106,16 +106,15 @@ def conv_bn_model() -> nn.Module:
                          nn.Linear(8, 2))  # fmt: skip
 
 
-def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_batch(monkeypatch):
+def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_batch():
     """Out of memory in the second batch: the window runs again at micro-batches of 4. Its queue is put back with the
     other buffers, and the window counts images: the run ends bitwise where one started at 4 does."""
     backed = conv_bn_model()
     norm.convert(backed, 32)
     halved = conv_bn_model()
     norm.convert(halved, 32)
-    monkeypatch.setenv("YOLOACCUM_FAULT", "oom@1")
     a = make_engine(backed, num_images=64, batch=8, nbs=32)
-    monkeypatch.delenv("YOLOACCUM_FAULT")
+    faults.install(a, {"YOLOACCUM_FAULT": "oom@1"})  # as the trainer installs it
     b = make_engine(halved, num_images=64, batch=4, nbs=32)
     a.train_epoch(0, toy_batches(64, 8))
     b.train_epoch(0, toy_batches(64, 4))

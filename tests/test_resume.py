@@ -270,9 +270,11 @@ def test_a_full_disk_under_any_log_of_the_run_folder_is_one_line(tmp_path):
         faults.writes_work_again()
     results.truncate(1)  # a resumed run's: the half-written row goes, the whole ones stay
     assert (tmp_path / "results.csv").read_text().splitlines() == ["epoch,loss", "1,0.5"]
-    with pytest.raises(UserError, match=r"schedule.png failed: Input/output error"):
-        with checkpoint.disk_errors(tmp_path / "schedule.png"):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
+    with (
+        pytest.raises(UserError, match=r"schedule.png failed: Input/output error"),
+        checkpoint.disk_errors(tmp_path / "schedule.png"),
+    ):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
 def test_a_failing_disk_leaves_the_old_file_and_no_temporary_one(tmp_path):
