@@ -64,7 +64,7 @@ FULL = {"images": 256, "val_images": 64, "imgsz": 160, "epochs": 30}
 # BCCD: 292 training and 72 validation photographs (640x480 JPEGs, decoded by the loader), at a size 2 cores afford
 BCCD = {"dataset": "bccd", "imgsz": 256, "epochs": 60}
 BCCD_YAML = HERE.parents[1] / "shared/datasets/bccd.yaml"
-PRECISE_IMAGES = 256  # precise statistics over at most this many training images, as precise_bn's default
+PRECISE_IMAGES = 256  # at most this many images: the default before precise_bn=auto, kept so the records compare
 SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1}
 RECIPE = {"model": "yolo26n.yaml", "nbs": 64, "warmup_epochs": 1, "close_mosaic": 5, "workers": 0}
 METRICS = ("metrics/mAP50(B)", "metrics/mAP50-95(B)")

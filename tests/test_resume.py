@@ -261,18 +261,22 @@ def test_a_full_disk_under_any_log_of_the_run_folder_is_one_line(tmp_path):
     from yoloaccum.progress import Results
 
     results = Results(tmp_path)
-    results.append({"epoch": 1, "loss": 0.5})
+    results.append({"epoch": 1, "loss": 0.5, "mAP": 0.25})
     faults.fail_writes(errno.ENOSPC)
     try:
         with pytest.raises(UserError, match=r"results.csv failed: No space left on device; no last.pt was written"):
-            results.append({"epoch": 2, "loss": 0.4})
+            results.append({"epoch": 2, "loss": 0.123457, "mAP": 0.375})  # half written: "2,0.12345"
     finally:
         faults.writes_work_again()
-    results.truncate(1)  # a resumed run's: the half-written row goes, the whole ones stay
-    assert (tmp_path / "results.csv").read_text().splitlines() == ["epoch,loss", "1,0.5"]
+    results.truncate(2)  # a resumed run's, at epoch 2: the cut row goes (too few fields), the whole ones stay
+    assert (tmp_path / "results.csv").read_text().splitlines() == ["epoch,loss,mAP", "1,0.5,0.25"]
     with (
-        pytest.raises(UserError, match=r"schedule.png failed: Input/output error"),
-        checkpoint.disk_errors(tmp_path / "schedule.png"),
+        pytest.raises(
+            UserError,
+            match=r"schedule.png failed: Input/output error; training had finished, and its "
+            "weights in .* are complete",
+        ),
+        checkpoint.disk_errors(tmp_path / "schedule.png", trained=True),
     ):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 

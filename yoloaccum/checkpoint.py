@@ -44,15 +44,20 @@ def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
 
 
 @contextmanager
-def disk_errors(path: Path) -> Iterator[None]:
+def disk_errors(path: Path, trained: bool = False) -> Iterator[None]:
     """A full or failing disk while writing `path`, a file of a run folder (its weights/, logs or pictures), as one
-    line: what is kept, and how to go on. Other errors are bugs, and raise as they are."""
+    line: what is kept, and how to go on. `trained`: written after training finished (the final pictures), when
+    the weights are complete and there is nothing to resume. Other errors are bugs, and raise as they are."""
     try:
         yield
     except OSError as e:
         if e.errno not in DISK_ERRORS:
             raise
-        last = (path.parent if path.parent.name == "weights" else path.parent / "weights") / "last.pt"
+        weights = path.parent if path.parent.name == "weights" else path.parent / "weights"
+        last = weights / "last.pt"
+        if trained:
+            raise UserError(f"writing {path} failed: {e.strerror}; training had finished, and its weights in "
+                            f"{weights} are complete; free space on that disk") from e  # fmt: skip
         if path.suffix == ".pt":
             kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
         else:
@@ -165,13 +170,13 @@ def training_state(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
     if state and state.get("stripped"):
         raise UserError(f"{path} holds only the weights (best.pt is stripped for shipping); resume from "
                         f"{path.parent / 'last.pt'}, or start a new run with pretrained={path}")  # fmt: skip
-    if not state or "position" not in state:
-        raise UserError(f"{path} was not written by yoloaccum train; start a new run with pretrained={path}")
-    version = state.get("format", 1)
-    if not isinstance(version, int) or version > FORMAT:
+    version = state.get("format", 1) if isinstance(state, dict) else None
+    if version is not None and (not isinstance(version, int) or version > FORMAT):  # before the layout: it may differ
         raise UserError(f"{path} holds a training state of format {version}, newer than this yoloaccum reads "
                         f"(up to {FORMAT}); resume with the yoloaccum that wrote it, or start a new run with "
                         f"pretrained={path}")  # fmt: skip
+    if not state or "position" not in state:
+        raise UserError(f"{path} was not written by yoloaccum train; start a new run with pretrained={path}")
     if "ranks" not in state:
         raise UserError(
             f"{path} was written by an earlier yoloaccum, which kept one set of random states for all ranks; finish "

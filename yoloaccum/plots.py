@@ -32,12 +32,26 @@ def labels(dataset, names: dict[int, str], save_dir: Path) -> None:
         plot_labels(boxes, cls.squeeze(-1), names=names, save_dir=save_dir)
 
 
-def in_background(draw: Callable[..., None], *args) -> threading.Thread:
-    """draw(*args) in a thread of its own, started now; join it before anything else draws with pyplot. Not a daemon,
-    as Ultralytics' threaded plots: a picture being written when training ends is finished, not cut."""
-    thread = threading.Thread(target=draw, args=args, name=f"plot-{draw.__name__}")
-    thread.start()
-    return thread
+class Background:
+    """draw(*args) in a thread of its own, started now; join() it before anything else draws with pyplot, and to
+    raise what it raised. Not a daemon, as Ultralytics' threaded plots: a picture being written when training ends
+    is finished, not cut."""
+
+    def __init__(self, draw: Callable[..., None], *args):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(draw, *args), name=f"plot-{draw.__name__}")
+        self.thread.start()
+
+    def _run(self, draw: Callable[..., None], *args) -> None:
+        try:
+            draw(*args)
+        except BaseException as e:  # raised in the training thread, at join()
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def train_batch_indices(schedule: Schedule, close_mosaic: int) -> frozenset[int]:
@@ -89,7 +103,7 @@ def schedule(steps_csv: Path, path: Path) -> None:
     axes[0].set_title(f"as run: {len(rows)} optimizer steps" + (f", {len(skipped)} skipped (red)" if skipped else ""))
     axes[-1].set_xlabel("iteration (ni) at the end of the window")
     fig.tight_layout()
-    with disk_errors(path):
+    with disk_errors(path, trained=True):  # drawn once training has finished
         fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -81,15 +81,21 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
     hooks = [layer.register_forward_hook(m) for layer, m in zip(layers, moments)]
     modes = {m: m.training for m in model.modules()}
     momenta = [layer.momentum for layer in layers]
+    before = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
     model.eval()
     for layer in layers:
         layer.train()  # normalise with each micro-batch's statistics; its running statistics become them (momentum 1)
         layer.momentum = 1.0
+        layer.running_mean.zero_()  # 0 x a non-finite statistic would stay non-finite
+        layer.running_var.fill_(1.0)
     num_images = 0
     try:
         for img in batches:
             model(img)
             num_images += img.shape[0]
+    except BaseException:
+        _put_back(layers, before, range(len(layers)))
+        raise
     finally:
         for h in hooks:
             h.remove()
@@ -97,7 +103,7 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
             m.train(training)
         for layer, momentum in zip(layers, momenta):
             layer.momentum = momentum
-    _set_statistics(layers, moments, ctx)
+    _put_back(layers, before, _set_statistics(layers, moments, ctx))
     return num_images
 
 
@@ -117,14 +123,24 @@ def recompute_images(model: nn.Module, images: torch.Tensor, ctx: Context, batch
             torch.cuda.empty_cache()
 
 
-def _set_statistics(layers: list[_BN], moments: list[_Moments], ctx: Context) -> None:
-    """Each layer's running mean and unbiased variance from its moments, summed over ranks in one all-reduce."""
+def _put_back(layers: list[_BN], before: list[tuple[torch.Tensor, torch.Tensor]], which) -> None:
+    for i in which:
+        layers[i].running_mean.copy_(before[i][0])
+        layers[i].running_var.copy_(before[i][1])
+
+
+def _set_statistics(layers: list[_BN], moments: list[_Moments], ctx: Context) -> list[int]:
+    """Each layer's running mean and unbiased variance from its moments, summed over ranks in one all-reduce.
+    Returns the layers no image reached (in eval mode, a branch only training runs): they keep what they had."""
     flat = distributed.all_reduce_sum(torch.cat([m.sums.flatten() for m in moments]), ctx)  # one collective
-    for layer, sums in zip(layers, flat.split([m.sums.numel() for m in moments])):
+    unreached = []
+    for i, (layer, sums) in enumerate(zip(layers, flat.split([m.sums.numel() for m in moments]))):
         count, total, total_sq = sums.view(3, -1)
         if count[0] < 2:
-            continue  # no images reached this layer: keep what it had
+            unreached.append(i)
+            continue
         mean = total / count
         var = (total_sq / count - mean * mean).clamp(min=0) * count / (count - 1)  # unbiased, as BatchNorm keeps it
         layer.running_mean.copy_(mean)
         layer.running_var.copy_(var)
+    return unreached

@@ -126,7 +126,7 @@ class Results:
     def plot(self) -> None:
         from ultralytics.utils.plotting import plot_results
 
-        with disk_errors(self.file.with_suffix(".png")):
+        with disk_errors(self.file.with_suffix(".png"), trained=True):  # drawn once training has finished
             plot_results(file=self.file)  # matplotlib only: draws every *loss* and metrics/* column
 
 

@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import gc
 import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,7 +127,7 @@ class Trainer:
         self.plot_at = plots.train_batch_indices(self.schedule, cfg.close_mosaic) if cfg.plots else frozenset()
         self.rank_states: list[dict] | None = None  # on rank 0, every rank's, gathered before each save
         self.compiled: compiler.Compiled | None = None  # compile=: compiled at the start of train()
-        self.drawing: threading.Thread | None = None  # labels.jpg, drawn in the background
+        self.drawing: plots.Background | None = None  # labels.jpg, drawn in the background
         if ckpt is not None:
             self.load_state(ckpt["yoloaccum"], ckpt)
 
@@ -153,8 +152,6 @@ class Trainer:
                     self.run.console.print(f"[yellow]warning:[/] bn_window={window} holds no more than one micro-batch "
                                            f"of {per_device}: each is normalised with its own statistics, as with "
                                            "bn=batch; give bn_window above it")  # fmt: skip
-            if cfg.plots and self.position == (0, 0):  # drawn while the first epoch trains
-                self.drawing = plots.in_background(plots.labels, self.train_set, self.spec.names, self.run.path)
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
             say = self.run.console.print if self.run else (lambda message: None)
             self.compiled = compiler.for_run(cfg, self.engine, len(self.train_set), say)
@@ -163,6 +160,8 @@ class Trainer:
         self.train_start = time.perf_counter()
         bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
         with GracefulStop() as stop_signal, frozen_heap(), bounded:
+            if self.run and cfg.plots and self.position == (0, 0):  # drawn while the first epoch trains
+                self.drawing = plots.Background(plots.labels, self.train_set, self.spec.names, self.run.path)
             epoch, start = self.position
             while True:
                 if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
