@@ -37,6 +37,11 @@ CONFIGS = {
     "b2": ("yoloaccum", {"batch": 2}),
     "b2-frozen": ("yoloaccum", {"batch": 2, "bn": "frozen"}),
     "b2-window": ("yoloaccum", {"batch": 2, "bn": "window"}),
+    # mosaic's partners drawn from the last 8 micro-batches' images, as Ultralytics sizes the buffer (the default
+    # before mosaic_buffer=window; the records of b2, b4 and b8 made before it are filed under these names)
+    "b2-batchbuffer": ("yoloaccum", {"batch": 2, "mosaic_buffer": "batch"}),
+    "b4-batchbuffer": ("yoloaccum", {"batch": 4, "mosaic_buffer": "batch"}),
+    "b8-batchbuffer": ("yoloaccum", {"batch": 8, "mosaic_buffer": "batch"}),
     "b4": ("yoloaccum", {"batch": 4}),
     "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
     "b8-window": ("yoloaccum", {"batch": 8, "bn": "window"}),

@@ -34,6 +34,7 @@ CHOICES = {
     "norm": ("window", "micro"),
     "bn": ("batch", "frozen", "sync", "window"),
     "remainder": ("step", "carry"),
+    "mosaic_buffer": ("window", "batch"),
     "lr_scale": ("ultralytics", "linear", "sqrt", "none"),
     "split": ("val", "test"),
     "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop"),

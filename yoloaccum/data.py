@@ -211,11 +211,17 @@ _REASONS = (
 )
 
 
-def set_batch(dataset: Dataset, batch: int) -> None:
-    """What Ultralytics sizes from the batch, for one chosen after the dataset was built (batch=-1): its mosaic
-    buffer, as BaseDataset.__init__ sizes it."""
+def set_batch(dataset: Dataset, batch: int, window: int) -> None:
+    """Set what Ultralytics sizes from the batch, once the run's batch is known (batch=-1 chooses it after the dataset
+    is built): `batch` is this device's micro-batch, `window` the images its mosaic buffer is sized by, 8 times over.
+
+    Mosaic draws each image's three partners from the buffer of recently loaded images, which Ultralytics sizes as
+    8 batches (at most 1000). Sized by the micro-batch, a run at micro-batch 2 draws them from its last 16 images
+    where a real batch of 64 draws them from 512: a window of 64 mosaics then shows about 80 distinct images instead
+    of up to 256. mosaic_buffer=window sizes it by the window's images instead, as the recipe's real batch would.
+    """
     dataset.batch_size = batch
-    dataset.max_buffer_length = min((dataset.ni, batch * 8, 1000)) if dataset.augment else 0
+    dataset.max_buffer_length = min((dataset.ni, images * 8, 1000)) if dataset.augment else 0
 
 
 def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> str:

@@ -85,10 +85,12 @@ class Trainer:
         # batch=-1 or a fraction: measured with the model as it trains, or on resume the run's first choice
         self.batch_choice = autobatch.for_run(cfg, self.ctx, ckpt, self.raw_model, self.loss, amp, self.train_set)
         batch = self.batch_choice.batch if self.batch_choice else cfg.batch
-        data.set_batch(self.train_set, batch)
         self.schedule = schedule_.build(
             cfg.replace(batch=batch), len(self.train_set), self.ctx.world_size, self.spec.nc
         )
+        per_device = batch // self.ctx.world_size
+        window = self.schedule.effective_batch // self.ctx.world_size if cfg.mosaic_buffer == "window" else per_device
+        data.set_batch(self.train_set, per_device, window)
         if ckpt is not None:
             self.schedule = resume.resumed_schedule(ckpt["yoloaccum"], self.schedule, self.spec.nc)
             if self.run and resume.extension_note(ckpt["yoloaccum"], cfg):
