@@ -221,7 +221,7 @@ def set_batch(dataset: Dataset, batch: int, window: int) -> None:
     of up to 256. mosaic_buffer=window sizes it by the window's images instead, as the recipe's real batch would.
     """
     dataset.batch_size = batch
-    dataset.max_buffer_length = min((dataset.ni, images * 8, 1000)) if dataset.augment else 0
+    dataset.max_buffer_length = min((dataset.ni, window * 8, 1000)) if dataset.augment else 0
 
 
 def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> str:
