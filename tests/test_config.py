@@ -1,5 +1,6 @@
 """Unit tests for yoloaccum.config: precedence, typing, validation, immutability and Ultralytics recipes."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,51 @@ def test_ultralytics_default_yaml_loads_as_a_recipe(tmp_path: Path) -> None:
         assert cfg[k] == (ultra[k] if ultra[k] is not None else ours[k].default), k
     changed = {**ultra, **{k: "changed" for k in ignored}}
     assert set(config.resolve([_recipe(tmp_path, yaml.safe_dump(changed))]).ignored) == set(ignored) - {"cfg"}
+
+
+def test_keys_py_is_the_typed_view_of_default_yaml() -> None:
+    """keys.py is generated from default.yaml: a key added, removed or retyped there without regenerating it fails
+    here (run `python -m yoloaccum.schema`)."""
+    from yoloaccum import schema
+
+    assert (Path(schema.__file__).parent / "keys.py").read_text() == schema.typed_view()
+
+
+def test_every_cfg_attribute_the_code_reads_is_a_key() -> None:
+    """`cfg.anything` fails where it is written, not on the line of a run that reaches it: every `cfg.<name>` in the
+    package and the benchmarks names a key or a Config method."""
+    import re
+
+    root = Path(config.__file__).parents[1]
+    allowed = set(config.schema()) | {n for n in dir(config.Config) if not n.startswith("_")} | {"ignored"}
+    unknown = [f"{path.relative_to(root)}:{n}: cfg.{name}"
+               for path in [*root.glob("yoloaccum/*.py"), *root.glob("benchmarks/*.py")]
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               for name in re.findall(r"\bcfg\.([a-z_0-9]+)", line) if name not in allowed]  # fmt: skip
+    assert not unknown, unknown
+    with pytest.raises(AttributeError, match="Config has no key 'nsb'; did you mean 'nbs'"):
+        config.resolve([]).nsb  # noqa: B018
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("fraction=1.5", "fraction=1.5 must be between 0 and 1"),
+    ("fraction=-0.1", "fraction=-0.1 must be between 0 and 1"),
+    ("clip_grad=0", "clip_grad=0.0 must be greater than 0"),
+    ("workers=-1", "workers=-1 must not be negative"),
+    ("imgsz=100", "imgsz=100 must be a multiple of 32; e.g. imgsz=96"),
+    ("mosaic_buffer=all", "mosaic_buffer=all is not one of window, batch"),
+    ("precise_bn=-1", "precise_bn=-1 must not be negative"),
+    ("compile=fast", "compile=fast is not true/false or one of default, reduce-overhead"),
+])  # fmt: skip
+def test_each_rule_of_default_yaml_is_enforced_with_its_message(arg, message) -> None:
+    with pytest.raises(UserError, match=re.escape(message)):
+        config.resolve([arg])
+
+
+def test_the_rules_parse_from_their_declaration() -> None:
+    key = config.Key.parse("k", 1, (int, str), "; >= 0; one of auto, all", "help")
+    assert (key.minimum, key.exclusive, key.maximum, key.choices) == (0, False, None, ("auto", "all"))
+    assert config.Key.parse("p", 0.5, (float,), "; 0 to 1", "").maximum == 1
+    assert config.Key.parse("n", 1, (int,), "; > 0; multiple of 8", "").multiple_of == 8
+    with pytest.raises(AssertionError, match="unknown rule 'below 3'"):
+        config.Key.parse("x", 1, (int,), "; below 3", "")

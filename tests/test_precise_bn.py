@@ -91,7 +91,7 @@ def test_precise_bn_is_auto_or_a_count_of_images():
 
     assert config.resolve([]).precise_bn == "auto"
     assert config.resolve(["precise_bn=32"]).precise_bn == 32 and config.resolve(["precise_bn=0"]).precise_bn == 0
-    with pytest.raises(UserError, match="precise_bn=some is not auto or a number of images"):
+    with pytest.raises(UserError, match="precise_bn=some is not an integer or one of auto"):
         config.resolve(["precise_bn=some"])
     with pytest.raises(UserError, match="must not be negative"):
         config.resolve(["precise_bn=-1"])

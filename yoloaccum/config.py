@@ -1,7 +1,7 @@
 """Load, merge and validate the configuration: cfg/default.yaml < a recipe (cfg=path.yaml) < key=value arguments.
 
-cfg/default.yaml is the one source of truth for keys, defaults and types: each line reads `key: value # (type) help`.
-The result is an immutable Config, saved beside the weights as args.yaml.
+cfg/default.yaml is the one source of truth for each key's default, type, allowed values and help (schema.py reads
+it). The result is an immutable Config, typed by keys.py, saved beside the weights as args.yaml.
 """
 
 from __future__ import annotations
@@ -9,72 +9,21 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
-import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from yoloaccum.errors import UserError
+from yoloaccum.keys import Keys
+from yoloaccum.schema import Key, _type_name, schema
 
-_PACKAGE = Path(__file__).resolve().parent
-# Source checkouts and editable installs keep cfg/ beside the package; wheels carry a copy inside it.
-DEFAULT_CFG = next(
-    (p for p in (_PACKAGE / "cfg/default.yaml", _PACKAGE.parent / "cfg/default.yaml") if p.exists()),
-    _PACKAGE.parent / "cfg/default.yaml",
-)
-_LINE = re.compile(r"^(?P<key>[a-z_0-9]+):(?P<value>[^#]*)#\s*\((?P<type>[a-z |]+)\)\s*(?P<help>.*)$")
-_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
-
-# Allowed values and lower bounds; the types come from default.yaml.
-CHOICES = {
-    "norm": ("window", "micro"),
-    "bn": ("batch", "frozen", "sync", "window"),
-    "remainder": ("step", "carry"),
-    "mosaic_buffer": ("window", "batch"),
-    "lr_scale": ("ultralytics", "linear", "sqrt", "none"),
-    "split": ("val", "test"),
-    "optimizer": ("auto", "SGD", "MuSGD", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop"),
-}
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # compile= a string
-_ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Config keeps the spelling above
-_POSITIVE = {"epochs", "nbs", "imgsz", "clip_grad", "log_every", "max_det", "lrf", "ddp_timeout"}
-_NON_NEGATIVE = {
-    "lr0", "momentum", "weight_decay", "nan_patience", "warmup_epochs", "warmup_momentum", "warmup_bias_lr",
-    "workers", "patience", "precise_bn", "bn_window", "close_mosaic", "box", "cls", "dfl", "seed", "hsv_h", "hsv_s",
-    "hsv_v", "degrees", "translate", "scale", "shear", "perspective",
-}  # fmt: skip
-_PROBABILITIES = {"flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix", "fraction", "conf", "iou"}
+_ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Config keeps default.yaml's spelling
 _DERIVED = {
     "accumulate": "accumulate is derived as round(nbs / batch); set nbs to batch x N instead, e.g. nbs=64 with batch=8",
 }
-
-
-@dataclass(frozen=True)
-class Key:
-    """One configuration key as declared in default.yaml."""
-
-    name: str
-    default: Any
-    types: tuple[type, ...]
-    help: str
-
-
-@cache
-def schema() -> dict[str, Key]:
-    """Parse default.yaml's keys, defaults and declared types."""
-    keys = {}
-    for n, line in enumerate(DEFAULT_CFG.read_text().splitlines(), 1):
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        assert m, f"{DEFAULT_CFG}:{n} does not read 'key: value # (type) help'"
-        types = tuple(_TYPES[t.strip()] for t in m["type"].split("|"))
-        keys[m["key"]] = Key(m["key"], yaml.safe_load(m["value"]), types, m["help"])
-    return keys
 
 
 @cache
@@ -86,8 +35,9 @@ def ultralytics_defaults() -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-class Config(Mapping[str, Any]):
-    """The resolved, validated and immutable configuration of one run; read keys as attributes (cfg.batch)."""
+class Config(Mapping[str, Any], Keys):
+    """The resolved, validated and immutable configuration of one run; read keys as attributes (cfg.batch), typed by
+    Keys for type checkers and editors, which see no __getattr__: an unknown key is flagged where it is written."""
 
     __slots__ = ("_values", "ignored")
 
@@ -95,13 +45,17 @@ class Config(Mapping[str, Any]):
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "ignored", tuple(ignored))  # Ultralytics keys in a recipe that yoloaccum ignores
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # not a key; also keeps copy and pickle from recursing before __init__
-            raise AttributeError(name)
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("_"):  # not a key; also keeps copy and pickle from recursing before __init__
+                raise AttributeError(name)
+            try:
+                return self._values[name]
+            except KeyError:
+                close = difflib.get_close_matches(name, self._values, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise AttributeError(f"Config has no key '{name}'{hint}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Config is immutable; use cfg.replace(key=value)")
@@ -201,7 +155,7 @@ def _from_text(key: str, text: str) -> Any:
     spec = schema().get(key)
     if spec is None:
         return text
-    if text in CHOICES.get(key, ()):  # a choice is itself, even one spelled like null (lr_scale=none)
+    if text in spec.choices:  # a choice is itself, even one spelled like null (lr_scale=none)
         return text
     if text.lower() in {"", "none", "null"} and (spec.default is None or str in spec.types):
         return None
@@ -231,36 +185,34 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, float) and v.is_integer() and int in spec.types and (float not in spec.types or v >= 1):
             v = values[k] = int(v)  # as Ultralytics: epochs=1e2 is 100; batch=16.0 is 16 images
         if k in _ANY_CASE and isinstance(v, str):
-            v = values[k] = next((c for c in CHOICES[k] if c.lower() == v.lower()), v)
+            v = values[k] = next((c for c in spec.choices if c.lower() == v.lower()), v)
         if isinstance(v, bool) and bool not in spec.types or not isinstance(v, spec.types):
             raise UserError(f"{k}={v!r} is not {_type_name(spec)}; e.g. {k}={spec.default}")
         if isinstance(v, float) and not math.isfinite(v):
             raise UserError(f"{k}={v} must be a finite number")
-        _check_range(k, v)
+        _check_rules(spec, v)
     return values
 
 
-def _check_range(k: str, v: Any) -> None:
-    if k in CHOICES and v not in CHOICES[k]:
-        raise UserError(f"{k}={v} is not one of {', '.join(CHOICES[k])}")
-    if k == "precise_bn" and isinstance(v, str) and v != "auto":
-        raise UserError(f"precise_bn={v} is not auto or a number of images (0 turns it off)")
-    if k == "compile" and isinstance(v, str) and v not in COMPILE_MODES:
-        raise UserError(f"compile={v} is not True, False or a mode: {', '.join(COMPILE_MODES)}")
+def _check_rules(spec: Key, v: Any) -> None:
+    """The rules default.yaml gives the key; batch's own (AutoBatch values) in _check_batch."""
+    k = spec.name
+    if isinstance(v, str) and spec.choices and v not in spec.choices:
+        others = [_type_name(Key(k, None, tuple(t for t in spec.types if t is not str), ""))] * (spec.types != (str,))
+        raise UserError(f"{k}={v} is not {' or '.join([*others, 'one of ' + ', '.join(spec.choices)])}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return
     if k == "batch":
         _check_batch(v)
-    if k in _POSITIVE and v <= 0:
-        raise UserError(f"{k}={v} must be greater than 0")
-    if k in _NON_NEGATIVE and v < 0:
-        raise UserError(f"{k}={v} must not be negative")
-    if k in _PROBABILITIES and not 0 <= v <= 1:
-        raise UserError(f"{k}={v} must be between 0 and 1")
-    if k == "imgsz" and v % 32:
-        raise UserError(
-            f"imgsz={v} must be a multiple of 32, the largest model stride; e.g. imgsz={max(32, v // 32 * 32)}"
-        )
+    low = spec.minimum is None or (v > spec.minimum if spec.exclusive else v >= spec.minimum)
+    if spec.maximum is not None and not (low and v <= spec.maximum):
+        raise UserError(f"{k}={v} must be between {spec.minimum:g} and {spec.maximum:g}")
+    if not low:
+        bound = f"greater than {spec.minimum:g}" if spec.exclusive else f"at least {spec.minimum:g}"
+        raise UserError(f"{k}={v} must {'not be negative' if bound == 'at least 0' else 'be ' + bound}")
+    if spec.multiple_of and v % spec.multiple_of:
+        e = max(spec.multiple_of, v // spec.multiple_of * spec.multiple_of)
+        raise UserError(f"{k}={v} must be a multiple of {spec.multiple_of}; e.g. {k}={e}")
 
 
 def is_auto_batch(batch: int | float) -> bool:
@@ -275,8 +227,3 @@ def _check_batch(v: int | float) -> None:
             f"batch={v} must be a whole number of images, e.g. batch=16, or -1 or a fraction such as 0.7 to choose "
             "it from CUDA memory"
         )
-
-
-def _type_name(spec: Key) -> str:
-    names = {bool: "true/false", int: "an integer", float: "a number", str: "text"}
-    return " or ".join(names[t] for t in spec.types)
