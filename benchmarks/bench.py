@@ -120,11 +120,12 @@ def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
     consuming."""
     from yoloaccum import config
     from yoloaccum import data as data_
+    from yoloaccum.batches import build_loader
 
     cfg = config.resolve(overrides=dict(data=data, imgsz=imgsz, batch=micro, workers=TRAIN_ARGS["workers"],
                                         cache=TRAIN_ARGS["cache"], close_mosaic=0))  # fmt: skip
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
-    it = iter(data_.build_loader(dataset, cfg, micro, 0, 1, DEVICE))
+    it = iter(build_loader(dataset, cfg, micro, 0, 1, DEVICE))
     next(it)  # workers start
     start, seen = time.perf_counter(), 0
     for _, b in zip(range(batches), it):

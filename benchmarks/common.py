@@ -11,8 +11,9 @@ import torch
 import yaml
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config, distributed, optim, runs, schedule
-from yoloaccum.engine import Engine, model_input
+from yoloaccum import config, distributed, runs, schedule
+from yoloaccum.batches import build_loader, loader_workers, model_input
+from yoloaccum.engine import Engine
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
 
@@ -81,7 +82,7 @@ def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     batches = []
     while len(batches) < n:  # a small set (--smoke) may need more than one pass
-        batches += [b for _, b in zip(range(n - len(batches)), data_.build_loader(dataset, cfg, micro, 0, 1, DEVICE))]
+        batches += [b for _, b in zip(range(n - len(batches)), build_loader(dataset, cfg, micro, 0, 1, DEVICE))]
     return batches
 
 
@@ -105,8 +106,7 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     ema = ModelEMA(raw)
     if grad_checkpointing:
         checkpoint_blocks(raw)
-    return Engine(raw, raw, WindowLoss(raw, "window"), optim.build_optimizer(raw, s), s, CTX, clip_grad=10.0,
-                  scaler=torch.amp.GradScaler("cuda", enabled=AMP), ema=ema, amp=AMP)  # fmt: skip
+    return Engine.build(raw, WindowLoss(raw, "window"), s, CTX, amp=AMP, ema=ema)
 
 
 def on_device(batches: list[dict]) -> list[dict]:
@@ -177,7 +177,6 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
     `iterations` of the training loader's batches held on the device: the mean of the passes just before and just
     after the last epoch. Side by side in one process, the two share the machine's speed of the moment, the memory
     layout and the threads, which fresh processes do not (these machines vary by 10-20% between runs)."""
-    from yoloaccum import data as data_
     from yoloaccum import trainer
 
     project = tempfile.mkdtemp()
@@ -192,8 +191,8 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
             bare.append(bare_pass(self.raw_model, self.loss, batches))
             return super().end_epoch(epoch, images_per_second)
 
-    WithBareLimit(cfg).train()
-    workers = data_.loader_workers(TRAIN_ARGS["workers"], DEVICE)  # what its loader ran with
+    WithBareLimit.from_config(cfg).train()
+    workers = loader_workers(TRAIN_ARGS["workers"], DEVICE)  # what its loader ran with
     return {"img_s": img_s[-1], "bare_limit_img_s": (bare[-2] + bare[-1]) / 2, "threads": torch.get_num_threads(),
             "workers": workers}  # fmt: skip
 
@@ -242,7 +241,7 @@ def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction:
             img_s.append(images_per_second)
             return super().end_epoch(epoch, images_per_second)
 
-    run = Recorded(cfg)
+    run = Recorded.from_config(cfg)
     run.train()
     if compile and run.compiled is None:
         raise RuntimeError("compile=True fell back to eager, with the warning printed above")

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config, distributed, optim, schedule
+from yoloaccum import config, distributed, schedule
 from yoloaccum.engine import Engine
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
@@ -44,17 +44,15 @@ def engine_for(ctx, accumulate: int, windows: int, no_sync: bool) -> tuple[Engin
     raw = DetectionModel(MODEL, nc=4, verbose=False).to(ctx.device)
     raw.args = ultralytics_args(cfg)
     loss = WindowLoss(raw, "window")
-    ddp = distributed.wrap(raw, ctx, "batch")
+    engine = Engine.build(raw, loss, s, ctx, no_sync=no_sync)
     calls = [0]
 
     def counting_hook(state, bucket):
         calls[0] += 1
         return default_hooks.allreduce_hook(None, bucket)
 
-    ddp.register_comm_hook(None, counting_hook)
-    engine = Engine(ddp, raw, loss, optim.build_optimizer(raw, s), s, ctx, clip_grad=10.0,
-                    scaler=torch.amp.GradScaler("cuda", enabled=False), no_sync=no_sync)  # fmt: skip
-    ddp.train()
+    engine.model.register_comm_hook(None, counting_hook)
+    engine.model.train()
     return engine, calls
 
 

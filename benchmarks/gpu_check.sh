@@ -280,6 +280,7 @@ from ultralytics.utils.torch_utils import ModelEMA
 from yoloaccum import autobatch, compiler, config, distributed, optim, schedule
 from yoloaccum import data as data_
 from yoloaccum import engine
+from yoloaccum.batches import build_loader
 from yoloaccum.engine import Engine
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
@@ -313,7 +314,7 @@ def real_batches(n, micro, imgsz):
     cfg = config.resolve(overrides=dict(data=SHAPES, imgsz=imgsz, batch=micro, workers=0, close_mosaic=0))
     ds = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     out = []
-    for b in data_.build_loader(ds, cfg, micro, 0, 1, torch.device("cpu")):
+    for b in build_loader(ds, cfg, micro, 0, 1, torch.device("cpu")):
         out.append(b)
         if len(out) == n:
             return out

@@ -42,11 +42,19 @@ MAKE_TRAIN = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64, "wor
 
 def cost(data: Path, settings: dict, epochs: int) -> dict:
     """Seconds per epoch of training, recompute and validation, in a trainer run as `yoloaccum train` runs it."""
-    from yoloaccum import config, trainer
+    from yoloaccum import config, epoch_end, trainer
 
     args = {**settings, "data": str(data), "epochs": epochs, "plots": False, "verbose": False}
     cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + [f"project={tempfile.mkdtemp()}", "name=cost"])
     times: dict[str, list[float]] = {"train": [], "precise_bn": [], "validation": [], "draw": []}
+
+    def timed(step, name: str):
+        def run_step(t, end):
+            start = time.perf_counter()
+            step(t, end)
+            times[name].append(time.perf_counter() - start)
+
+        return run_step
 
     class Timed(trainer.Trainer):
         def train_epoch(self, *args):
@@ -55,35 +63,14 @@ def cost(data: Path, settings: dict, epochs: int) -> dict:
             times["train"].append(time.perf_counter() - start)
             return out
 
-        def recompute_bn(self):
-            start = time.perf_counter()
-            if self.bn_images is None:  # the draw, once
-                from yoloaccum import data as data_
-
-                self.bn_images = data_.precise_bn_images(self.cfg, self.spec, self.ctx.rank, self.ctx.world_size)
-                times["draw"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-            super().recompute_bn()
-            times["precise_bn"].append(time.perf_counter() - start)
-
-    class TimedEvaluator:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def evaluate(self, *args, **kwargs):
-            start = time.perf_counter()
-            out = self.inner.evaluate(*args, **kwargs)
-            times["validation"].append(time.perf_counter() - start)
-            return out
-
-    run = Timed(cfg)
-    run.evaluator = TimedEvaluator(run.evaluator)
+    run = Timed.from_config(cfg)
+    start = time.perf_counter()
+    run.precise_bn.draw(run)  # the draw, once, timed apart from the recomputes
+    times["draw"].append(time.perf_counter() - start)
+    names = {run.precise_bn: "precise_bn", epoch_end.validate: "validation"}
+    run.epoch_end = [timed(step, names[step]) if step in names else step for step in run.epoch_end]
     run.train()
-    times["validation"] = times["validation"][:epochs]  # the final validation of best.pt is not an epoch's
-    images = int(len(run.bn_images)) if run.bn_images is not None else 0
+    images = int(len(run.precise_bn.images)) if cfg.precise_bn else 0
     return {"images": images, "train_images": len(run.train_set), **times}
 
 
@@ -96,8 +83,8 @@ def where(imgsz: int = 160, n: int = 256, repeats: int = 5) -> dict:
     from ultralytics.nn.tasks import DetectionModel
 
     from yoloaccum import precise_bn
+    from yoloaccum.batches import model_input
     from yoloaccum.distributed import Context
-    from yoloaccum.engine import model_input
 
     model = DetectionModel("yolo26n.yaml", nc=3, verbose=False).to(memory_format=torch.channels_last)
     ctx, images = Context(0, 0, 1, torch.device("cpu")), torch.randint(0, 255, (n, 3, imgsz, imgsz), dtype=torch.uint8)

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_equivalence import OBJECTS, concat, grads, make_model, micro_batch  # noqa: E402
 
-from yoloaccum import config, distributed, optim, schedule  # noqa: E402
+from yoloaccum import config, distributed, schedule  # noqa: E402
 from yoloaccum.engine import Engine  # noqa: E402
 from yoloaccum.loss import WindowLoss  # noqa: E402
 
@@ -29,9 +29,8 @@ def main(out: str, batch: int, nbs: int, sync_all: bool) -> None:
     s = schedule.build(cfg, num_images=16, world_size=ctx.world_size, nc=3)
     model = make_model("yolo11n.yaml")
     loss = WindowLoss(model, "window")
-    ddp = distributed.wrap(model, ctx, "frozen")
-    engine = Engine(ddp, model, loss, optim.build_optimizer(model, s), s, ctx, clip_grad=1e9,
-                    scaler=torch.amp.GradScaler("cuda", enabled=False), no_sync=not sync_all)  # fmt: skip
+    engine = Engine.build(model, loss, s, ctx, "frozen", clip_grad=1e9, no_sync=not sync_all)
+    ddp = engine.model
 
     forward_passes, communicated = [0], []
     model.register_forward_hook(lambda *_: forward_passes.__setitem__(0, forward_passes[0] + 1))

@@ -12,8 +12,9 @@ import torch
 from test_engine import MeanLoss
 from torch import nn
 
-from yoloaccum import config, distributed, optim, schedule
-from yoloaccum.engine import AMP_SCALE_FLOOR, Engine, load_scaler_state
+from yoloaccum import config, distributed, schedule
+from yoloaccum.engine import AMP_SCALE_FLOOR, Engine
+from yoloaccum.state import load_scaler_state
 
 CPU = distributed.Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -34,9 +35,8 @@ def engine_for(model, num_images=32, batch=4, nbs=16, amp=True, init_scale=2.0**
 
     cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=1, warmup_epochs=0, optimizer="SGD"))
     s = schedule.build(cfg, num_images)
-    return Engine(model=model, raw_model=model, loss=loss or MeanLoss(model), optimizer=optim.build_optimizer(model, s),
-                  schedule=s, ctx=CPU, clip_grad=10.0, ema=ModelEMA(model), amp=amp,
-                  scaler=torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp), **kw)  # fmt: skip
+    return Engine.build(model, loss or MeanLoss(model), s, CPU, amp=amp, ema=ModelEMA(model),
+                        scaler=torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp), **kw)  # fmt: skip
 
 
 def counting(obj, name: str, calls: dict) -> None:

@@ -1,5 +1,5 @@
-"""The out-of-memory back-off (backoff.py): a window that runs out of memory runs again at half the micro-batch and
-ends where a run started at that micro-batch ends. The error is injected with YOLOACCUM_FAULT=oom@NI, which raises
+"""The out-of-memory back-off (Engine._back_off): a window that runs out of memory runs again at half the micro-batch
+and ends where a run started at that micro-batch ends. The error is injected with YOLOACCUM_FAULT=oom@NI, which raises
 torch.OutOfMemoryError, the type CUDA raises."""
 
 import csv
@@ -11,7 +11,7 @@ from test_engine import make_engine, toy_batches
 from torch import nn
 
 from yoloaccum import faults
-from yoloaccum.backoff import chunks
+from yoloaccum.batches import split_batch
 
 
 def bn_model() -> nn.Module:
@@ -45,16 +45,16 @@ def test_out_of_memory_at_one_image_per_device_says_what_to_do():
         engine.train_epoch(0, toy_batches(8, 2))
 
 
-def test_chunks_cut_a_detection_batch_by_image_with_its_labels():
+def test_split_batch_cuts_a_detection_batch_by_image_with_its_labels():
     batch = {"img": torch.arange(5).view(5, 1), "batch_idx": torch.tensor([0.0, 2, 2, 3, 4, 4]),
              "cls": torch.arange(6.0).view(6, 1), "bboxes": torch.arange(24.0).view(6, 4),
              "im_file": ["a", "b", "c", "d", "e"], "epoch": 3}  # fmt: skip
-    first, second = chunks(batch, 2)
+    first, second = split_batch(batch, 2)
     assert first["img"].flatten().tolist() == [0, 1] and first["im_file"] == ["a", "b"]
     assert first["batch_idx"].tolist() == [0] and first["cls"].flatten().tolist() == [0]
     assert second["batch_idx"].tolist() == [0, 0, 1, 2, 2] and second["cls"].flatten().tolist() == [1, 2, 3, 4, 5]
     assert torch.equal(second["bboxes"], batch["bboxes"][1:]) and second["epoch"] == 3
-    assert len(chunks(batch, 8)) == 5  # never an empty micro-batch
+    assert len(split_batch(batch, 8)) == 5  # never an empty micro-batch
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import backoff, compiler, config, data, schedule
+from yoloaccum import batches, compiler, config, schedule
 from yoloaccum.errors import UserError
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -46,10 +46,10 @@ def test_an_unknown_compile_mode_is_refused():
     (5, 8, 1, (5,)),  # fewer images than one micro-batch
 ])  # fmt: skip
 def test_micro_batch_sizes_are_those_the_sampler_gives(images, micro, world, sizes):
-    assert data.micro_batch_sizes(images, micro, world) == sizes
+    assert batches.micro_batch_sizes(images, micro, world) == sizes
     given = set()
     for rank in range(world):
-        sampler = data.EpochBatchSampler(images, micro * world, rank, world)
+        sampler = batches.EpochBatchSampler(images, micro * world, rank, world)
         given |= {len(b) for b in sampler}
     assert given == set(sizes)
 
@@ -60,8 +60,8 @@ def test_after_an_out_of_memory_back_off_the_halved_sizes_are_compiled():
     assert schedule.cut_sizes(8, 2) == {4}
     assert schedule.cut_sizes(3, 2) == {1, 2}
     assert schedule.cut_sizes(1, 4) == {1}  # no empty parts
-    for n, parts in [(8, 1), (8, 2), (3, 2), (1, 4)]:  # the sizes chunks() really cuts
-        cut = backoff.chunks({"img": torch.zeros(n, 1)}, parts)
+    for n, parts in [(8, 1), (8, 2), (3, 2), (1, 4)]:  # the sizes split_batch() really cuts
+        cut = batches.split_batch({"img": torch.zeros(n, 1)}, parts)
         assert {len(c["img"]) for c in cut} == schedule.cut_sizes(n, parts)
 
 

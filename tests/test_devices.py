@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import shapes_yaml
 
-from yoloaccum import compiler, config, distributed, resume
+from yoloaccum import compiler, config, distributed, state
 from yoloaccum.errors import UserError
 
 
@@ -57,9 +57,9 @@ def test_random_states_of_a_cpu_run_leave_cuda_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", touched)
     monkeypatch.setattr(torch.cuda, "set_rng_state", touched)
-    state = resume.rng_state(None)
-    assert state["cuda"] is None
-    resume.restore_rng({**state, "cuda": torch.zeros(8, dtype=torch.uint8)}, None)  # a CUDA run resumed on the CPU
+    saved = state.rng_state(None)
+    assert saved["cuda"] is None
+    state.restore_rng({**saved, "cuda": torch.zeros(8, dtype=torch.uint8)}, None)  # a CUDA run resumed on the CPU
 
 
 @pytest.mark.parametrize("mode", sorted(compiler.CUDA_GRAPH_MODES))

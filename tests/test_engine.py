@@ -51,16 +51,7 @@ def make_engine(model, num_images, batch, nbs, epochs=1, warmup_epochs=0.0, clip
         overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=warmup_epochs, optimizer="SGD", **cfg)
     )
     s = schedule.build(cfg, num_images)
-    return Engine(
-        model=model,
-        raw_model=model,
-        loss=MeanLoss(model),
-        optimizer=optim.build_optimizer(model, s),
-        schedule=s,
-        ctx=CPU,
-        clip_grad=clip_grad,
-        scaler=torch.amp.GradScaler("cuda", enabled=False),
-    )
+    return Engine.build(model, MeanLoss(model), s, CPU, clip_grad=clip_grad)
 
 
 def step_indices(engine: Engine, epoch: int, batches: list[dict]) -> list[int]:

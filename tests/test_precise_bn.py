@@ -152,14 +152,15 @@ def test_the_kept_images_are_drawn_from_the_seed_alone_and_leave_training_random
     from yoloaccum.trainer import Trainer
 
     cfg = _draw_settings(shapes_yaml(tmp_path, num_train=12, num_val=4), tmp_path)
-    trainer = Trainer(cfg, None, None)
+    trainer = Trainer.from_config(cfg)
+    step = trainer.precise_bn
     before = _random_states()
-    trainer.recompute_bn()
+    step.recompute(trainer)
     assert _random_states() == before
-    assert trainer.bn_images.shape == (10, 3, 64, 64) and trainer.bn_batch == precise_bn.BATCH
-    assert torch.equal(trainer.bn_images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
+    assert step.images.shape == (10, 3, 64, 64) and step.batch == precise_bn.BATCH
+    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
     torch.manual_seed(123)  # another moment of training: the draws do not depend on it
-    assert torch.equal(trainer.bn_images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
+    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
 
 
 def test_the_images_are_the_same_on_any_number_of_ranks(tmp_path):

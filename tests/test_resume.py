@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import checkpoint, faults
+from yoloaccum import checkpoint, faults, state
 from yoloaccum.errors import UserError
 
 RUN = ("imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1", "log_every=1")
@@ -126,14 +126,14 @@ def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_o
                                                                                            run_cli):  # fmt: skip
     path = uninterrupted / "weights/last.pt"
     ckpt = checkpoint.load(path)
-    assert ckpt["yoloaccum"]["format"] == checkpoint.FORMAT
+    assert ckpt["yoloaccum"]["format"] == state.FORMAT
     before_versions = {k: v for k, v in ckpt["yoloaccum"].items() if k != "format"}  # format 1: no version in it
-    assert checkpoint.training_state({**ckpt, "yoloaccum": before_versions}, path)["format"] == checkpoint.FORMAT
+    assert state.read({**ckpt, "yoloaccum": before_versions}, path)["format"] == state.FORMAT
     newer = tmp_path / "run/weights/last.pt"
-    checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "format": checkpoint.FORMAT + 1}}, newer)
+    checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "format": state.FORMAT + 1}}, newer)
     r = run_cli("train", f"resume={newer}", "epochs=6")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert f"holds a training state of format {checkpoint.FORMAT + 1}, newer than this yoloaccum reads" in r.stderr
+    assert f"holds a training state of format {state.FORMAT + 1}, newer than this yoloaccum reads" in r.stderr
 
 
 def test_resume_with_more_epochs_continues_a_finished_run(uninterrupted, tmp_path, run_cli):

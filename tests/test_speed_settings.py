@@ -53,7 +53,7 @@ def test_a_channels_last_model_takes_nchw_images_with_identical_results(name):
     from ultralytics.nn.tasks import DetectionModel
 
     from yoloaccum import config
-    from yoloaccum.engine import model_input
+    from yoloaccum.batches import model_input
     from yoloaccum.loss import WindowLoss
     from yoloaccum.ultra import ultralytics_args
 
@@ -76,7 +76,7 @@ def test_a_channels_last_model_takes_nchw_images_with_identical_results(name):
 
 
 def test_loaders_use_workers_on_cuda_only():
-    from yoloaccum.data import loader_workers
+    from yoloaccum.batches import loader_workers
 
     assert loader_workers(8, torch.device("cpu")) == 0
     assert loader_workers(2, torch.device("cuda", 0)) == min(2, os.cpu_count())
@@ -85,7 +85,7 @@ def test_loaders_use_workers_on_cuda_only():
 
 def test_workers_share_the_machine_among_its_ranks(monkeypatch):
     """As Ultralytics' cpu_count // devices: each of the machine's ranks takes its share of the cores at most."""
-    from yoloaccum.data import loader_workers
+    from yoloaccum.batches import loader_workers
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert loader_workers(10_000, torch.device("cuda", 0)) == os.cpu_count() // 2
@@ -95,7 +95,7 @@ def test_workers_share_the_machine_among_its_ranks(monkeypatch):
 def test_objects_built_before_training_are_hidden_from_the_garbage_collector_until_it_ends():
     import gc
 
-    from yoloaccum.trainer import frozen_heap
+    from yoloaccum.runs import frozen_heap
 
     assert gc.get_freeze_count() == 0
     with frozen_heap():
@@ -106,7 +106,7 @@ def test_objects_built_before_training_are_hidden_from_the_garbage_collector_unt
 def test_a_heap_frozen_by_the_caller_stays_frozen():
     import gc
 
-    from yoloaccum.trainer import frozen_heap
+    from yoloaccum.runs import frozen_heap
 
     gc.freeze()
     try:

@@ -162,7 +162,7 @@ def test_pretrained_best_pt_loads_every_tensor(smoke_run, smoke_data):
 
 
 def test_on_the_cpu_data_loads_in_the_training_process(smoke_train):
-    """workers=2 was asked for; on the CPU workers would take cores from torch's threads (data.loader_workers)."""
+    """workers=2 was asked for; on the CPU workers would take cores from torch's threads (batches.loader_workers)."""
     if torch.cuda.is_available():
         pytest.skip("the run trained on CUDA, where workers are used")
     assert "data loaded in the training process" in smoke_train[1]

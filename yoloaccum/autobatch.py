@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from yoloaccum import backoff, distributed
+from yoloaccum.batches import model_input
 from yoloaccum.buffers import kept
 from yoloaccum.config import Config, is_auto_batch
 from yoloaccum.distributed import Context
-from yoloaccum.engine import model_input
 
 DEFAULT_FRACTION = 0.6  # batch=-1, as Ultralytics
 CPU_MICRO_BATCH = 16  # per device where there is no CUDA memory to measure: Ultralytics' default there

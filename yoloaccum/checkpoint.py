@@ -4,10 +4,7 @@ A checkpoint (last.pt) is Ultralytics' dict (a half-precision `ema` model, `trai
 `yoloaccum` entry holding what an exact resume needs in plain tensors and numbers: the fp32 model and EMA weights, the
 optimizer, scaler, schedule, position, early-stopping state and RNG states. best.pt is `stripped` of all that.
 
-That entry is the training state, versioned by its `format` (FORMAT); training_state() is the one reader of it:
-- format 1: last.pt files written before the entry carried a version; the layout of format 2, converted on reading;
-- format 2: adds `format` itself;
-- before format 1, one set of random states for all ranks (no `ranks`): refused, as nothing can rebuild the others.
+That entry is the training state, which state.py alone writes and reads; this module holds files, not layouts.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ _UMASK = os.umask(0o022)  # reading the umask means setting it: once, at import,
 os.umask(_UMASK)
 # The disk, not the program: full, over quota, read-only or failing. The user can fix these and resume.
 DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
-FORMAT = 2  # the training state's layout, written into every last.pt (the module docstring lists the formats)
 
 
 def save_atomic(obj: dict[str, Any], *paths: Path) -> None:
@@ -161,28 +157,6 @@ def load(path: str | Path, trust: bool = False) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("ema") or ckpt.get("model"), torch.nn.Module):
         raise UserError(f"{path} holds no Ultralytics model (no 'ema' or 'model' entry)")
     return ckpt
-
-
-def training_state(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The training state of a loaded last.pt (its `yoloaccum` entry) in the current FORMAT; a file that holds none,
-    or one this version cannot read, is refused with one line that says what to do instead."""
-    state = ckpt.get("yoloaccum")
-    if state and state.get("stripped"):
-        raise UserError(f"{path} holds only the weights (best.pt is stripped for shipping); resume from "
-                        f"{path.parent / 'last.pt'}, or start a new run with pretrained={path}")  # fmt: skip
-    version = state.get("format", 1) if isinstance(state, dict) else None
-    if version is not None and (not isinstance(version, int) or version > FORMAT):  # before the layout: it may differ
-        raise UserError(f"{path} holds a training state of format {version}, newer than this yoloaccum reads "
-                        f"(up to {FORMAT}); resume with the yoloaccum that wrote it, or start a new run with "
-                        f"pretrained={path}")  # fmt: skip
-    if not state or "position" not in state:
-        raise UserError(f"{path} was not written by yoloaccum train; start a new run with pretrained={path}")
-    if "ranks" not in state:
-        raise UserError(
-            f"{path} was written by an earlier yoloaccum, which kept one set of random states for all ranks; finish "
-            f"it with that version, or start a new run with pretrained={path}"
-        )
-    return {**state, "format": FORMAT}  # format 1 has format 2's layout
 
 
 def model_of(ckpt: dict[str, Any]) -> torch.nn.Module:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from yoloaccum import backoff, data, distributed, resume, schedule
+from yoloaccum import backoff, batches, distributed, schedule, state
 from yoloaccum import model as model_
 from yoloaccum.buffers import kept
 from yoloaccum.config import Config
@@ -83,13 +83,13 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
         warn(f"compile={mode} does not combine with grad_checkpointing=True (torch.compile cannot trace its "
              "checkpoints); training without compilation")  # fmt: skip
         return None
-    loader_sizes = data.micro_batch_sizes(num_images, engine.schedule.micro_batch, ctx.world_size)
+    loader_sizes = batches.micro_batch_sizes(num_images, engine.schedule.micro_batch, ctx.world_size)
     sizes = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)}, reverse=True)
     say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
     engine.model.train()  # BatchNorm's mode is part of the graph: compile the one that trains
     model_.set_bn_mode(engine.model, cfg.bn)
     try:
-        with resume.rng_kept():  # compiling draws no training random numbers: make sure of it
+        with state.rng_kept():  # compiling draws no training random numbers: make sure of it
             compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.amp, warn)
     except RuntimeError as e:
         if not backoff.is_out_of_memory(e):
@@ -110,13 +110,13 @@ def after_back_off(compiled: Compiled, engine, num_images: int, imgsz: int, say:
     """Compile, as the warm-up before the first epoch does (random states and the model's buffers and gradients kept),
     the micro-batch sizes an out-of-memory back-off has just made, so that none compiles inside a window. Returns
     the Compiled with them added."""
-    loader_sizes = data.micro_batch_sizes(num_images, engine.schedule.micro_batch, engine.ctx.world_size)
+    loader_sizes = batches.micro_batch_sizes(num_images, engine.schedule.micro_batch, engine.ctx.world_size)
     new = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)} - set(compiled.batch_sizes),
                  reverse=True)  # fmt: skip
     if not new:
         return compiled
     start = time.perf_counter()
-    with resume.rng_kept():
+    with state.rng_kept():
         for size in new:
             warm_up(engine.raw_model, size, imgsz, engine.ctx.device, engine.amp)
     seconds = time.perf_counter() - start

@@ -192,6 +192,19 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
+def relaunch_on_several_devices(cfg, args: list[str]) -> None:
+    """`yoloaccum train device=0,1` run outside torchrun: start torchrun with the same arguments, one rank per
+    device, and exit with its code (SystemExit). Inside torchrun, or on one device, return at once."""
+    from yoloaccum.config import is_auto_batch
+
+    devices = len(cuda_ids(cfg.device))
+    if devices < 2 or "WORLD_SIZE" in os.environ:
+        return
+    if not is_auto_batch(cfg.batch) and cfg.batch % devices:  # checked once here, not in every rank torchrun starts
+        raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
+    raise SystemExit(launch(args, cfg.device))
+
+
 def launch(args: list[str], device: str | None) -> int:
     """`yoloaccum train device=0,1,2,3` outside torchrun: start torchrun with the same arguments, one rank per device.
 

@@ -1,8 +1,10 @@
 """The accumulation loop itself, independent of detection: micro-steps, and one optimizer step per window.
 
-The Engine knows nothing of datasets, YOLO or checkpoints. It takes any model and any loss that follows the WindowLoss
+The Engine knows nothing of datasets, YOLO or checkpoints. It takes any model, batches that are dicts with an "img"
+tensor (cut into micro-batches by batches.split_batch when it backs off), and any loss that follows the WindowLoss
 protocol (`loss(preds, batch) -> (loss, items, counts)` and `loss.normalise_gradients(counts, world)`), so tests can
-drive the same code with a toy model.
+drive the same code with a toy model. It owns its out-of-memory back-off: a window that runs out of device memory
+is dropped and run again at half the micro-batch (_back_off), and what that leaves is in state_dict().
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 from torch import nn
 
 from yoloaccum import backoff, distributed, optim
+from yoloaccum.batches import model_input, split_batch
 from yoloaccum.buffers import Kept
 from yoloaccum.distributed import Context
-from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
+from yoloaccum.window import EpochResult, StepRecord, WindowCounts
 
 # With AMP, a window whose gradients overflowed counts towards nan_patience only once the scaler has halved its scale
 # below this: until then they overflowed because they were scaled up, which is GradScaler finding its scale (it starts
@@ -44,8 +47,8 @@ class Engine:
     optimizer: torch.optim.Optimizer
     schedule: Schedule
     ctx: Context
-    clip_grad: float
-    scaler: torch.amp.GradScaler
+    clip_grad: float = 10.0  # max norm of the window's gradient (Ultralytics' max_norm)
+    scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cuda", enabled=False))
     ema: Any = None  # ultralytics ModelEMA, or None
     amp: bool = False
     amp_dtype: torch.dtype = torch.float16  # autocast's type with amp: fp16, which GradScaler exists for
@@ -59,7 +62,7 @@ class Engine:
     history: list[StepRecord] = field(default_factory=list)  # one record per step; the trainer drains it
     micro_batches_in_window: int = 0  # of the open window; with remainder=carry it may have begun last epoch
     ni: int = -1  # the iteration in progress: where a rank that waits in vain for the others was
-    split: int = 1  # micro-steps per loader batch: doubles at each out-of-memory back-off (backoff.py)
+    split: int = 1  # micro-steps per loader batch: doubles at each out-of-memory back-off (_back_off)
     back_offs: list[int] = field(default_factory=list)  # iterations that ran out of memory
     # The open window's loader batches, kept until its step: after an out-of-memory error the window runs again.
     # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
@@ -68,6 +71,17 @@ class Engine:
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
+
+    @classmethod
+    def build(cls, raw_model: nn.Module, loss: Any, schedule: Schedule, ctx: Context, bn: str = "batch",
+              amp: bool = False, **fields: Any) -> Engine:  # fmt: skip
+        """The engine for raw_model as runs, tests and benchmarks use it: wrapped in DDP under torchrun (SyncBatchNorm
+        first with bn=sync), the optimizer the schedule names, a GradScaler that is a no-op without AMP; `fields` are
+        the dataclass's others (clip_grad, ema, nan_patience, log, ...)."""
+        fields.setdefault("scaler", torch.amp.GradScaler("cuda", enabled=amp))
+        return cls(model=distributed.wrap(raw_model, ctx, bn), raw_model=raw_model, loss=loss,
+                   optimizer=optim.build_optimizer(raw_model, schedule), schedule=schedule, ctx=ctx, amp=amp,
+                   **fields)  # fmt: skip
 
     def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None,
                     start: int = 0, should_stop: Callable[[], bool] = lambda: False) -> EpochResult:  # fmt: skip
@@ -88,7 +102,7 @@ class Engine:
             if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts
                 distributed.arrive(self.ctx, ni)
             # The batch's micro-steps; DDP all-reduces gradients inside the backward of the window's last one only.
-            items = backoff.micro_steps(self, ni, batch, last_in_window)
+            items = self._micro_steps(ni, batch, last_in_window)
             fill = -(-self.micro_batches_in_window // self.split)  # in loader batches, as accumulate counts them
             stop = self._step(ni, should_stop()) if last_in_window else False
             if on_micro_step is not None:
@@ -109,10 +123,68 @@ class Engine:
         else:
             self.window_buffers.keep()
 
+    def _micro_steps(self, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:
+        """Forward and backward loader batch ni, the newest of window_batches. On an out-of-memory error, back off
+        and run the window again from its first batch, as often as it takes; returns the loss items of batch ni."""
+        try:
+            return self.iteration(ni, batch, last_in_window)
+        except RuntimeError as e:
+            if not backoff.is_out_of_memory(e):
+                raise
+        # Outside the except block: its traceback, whose frames hold the failed step's tensors, is gone.
+        backoff.check_can_back_off(self, ni, last_in_window)
+        failed, window = ni, self.window_batches
+        while True:
+            self._back_off(failed)
+            first, k = ni - len(window) + 1, 0
+            try:
+                if self.after_back_off is not None:  # compile=: the new micro-batch sizes, before they run
+                    self.after_back_off()
+                for k, b in enumerate(window):
+                    items = self.iteration(first + k, b, last_in_window and k == len(window) - 1)
+                return items
+            except RuntimeError as e:
+                if not backoff.is_out_of_memory(e):
+                    raise
+                failed = first + k
+
+    def _back_off(self, ni: int) -> None:
+        """Drop the window so far (its gradients, counts and BatchNorm statistics) and halve the micro-batch."""
+        backoff.check_room(self.micro_batch, ni)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.window_counts.tensor.zero_()
+        self.micro_batches_in_window = 0
+        if self.window_buffers is not None:
+            self.window_buffers.put_back()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the failed step's cached blocks back before the smaller micro-batches run
+        before, self.split = self.micro_batch, self.split * 2
+        self.back_offs.append(ni)
+        self.log(f"iteration {ni}: out of memory at {before} images per device; the window runs again at "
+                 f"{self.micro_batch} per device, accumulate {self.accumulate}, the same "
+                 f"{self.schedule.effective_batch} images per step")  # fmt: skip
+
+    @property
+    def micro_batch(self) -> int:
+        """Images per forward pass now: the schedule's micro-batch cut `split` ways (rounded up)."""
+        return -(-self.schedule.micro_batch // self.split)
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per window now: the schedule's, times `split`."""
+        return self.schedule.accumulate * self.split
+
     def iteration(self, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:
-        """Loader batch ni as `split` micro-steps (backoff.iteration). faults.install wraps it on an engine whose run
+        """Loader batch ni as `split` micro-steps; DDP all-reduces in the backward of the window's last one only.
+        Returns the loss items averaged over the batch's images. faults.install wraps it on an engine whose run
         injects a failure (YOLOACCUM_FAULT); no other engine checks for one."""
-        return backoff.iteration(self, ni, batch, last_in_window)
+        parts = split_batch(batch, self.split)
+        items = 0.0
+        for j, part in enumerate(parts):
+            skip = self.no_sync and not (last_in_window and j == len(parts) - 1)
+            with distributed.no_sync(self.model, skip=skip):
+                items = items + self.micro_step(part) * part["img"].shape[0]
+        return items / batch["img"].shape[0]
 
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
@@ -135,12 +207,7 @@ class Engine:
         except RuntimeError as e:
             if not backoff.is_out_of_memory(e):
                 raise
-            raise UserError(
-                f"out of memory in the optimizer step or EMA update at iteration {ni}, after the window's "
-                "micro-batches fitted; last.pt holds the last saved state. Resume with grad_checkpointing=True "
-                "(activations then leave room for the optimizer's state), or start again with a smaller batch or "
-                "optimizer=SGD (one state tensor per weight; AdamW keeps two)"
-            ) from e
+            raise backoff.in_the_step(ni) from e
 
     def step(self, ni: int, stop_requested: bool = False) -> bool:
         """End a window: normalise, unscale, clip, step, zero_grad, EMA, once each. Returns whether to stop.
@@ -214,79 +281,16 @@ class Engine:
         self.micro_batches_in_window = window["micro_batches"]
         self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's engine state for last.pt: its part of an open window (open_window()) and the iterations where
+        it ran out of memory, each of which halves its micro-batch again on resume."""
+        return {"open_window": self.open_window(), "back_offs": list(self.back_offs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.restore_window(state["open_window"])
+        self.back_offs = list(state["back_offs"])
+        self.split = 2 ** len(self.back_offs)
+
     def _scale(self) -> float:
         """What the loss is multiplied by before backward: GradScaler's scale with AMP, else 1."""
         return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
-
-
-def load_scaler_state(scaler: torch.amp.GradScaler, state: dict[str, Any]) -> str | None:
-    """Load last.pt's GradScaler state into `scaler`, across AMP settings; returns a line saying what changed, if
-    anything. A run saved without AMP (every CPU run) holds an empty state, which GradScaler.load_state_dict refuses:
-    resumed with AMP, its scale starts where GradScaler starts. A run saved with AMP and resumed without drops it."""
-    if not scaler.is_enabled():
-        return "resuming without AMP: the saved loss scale is not used" if state else None
-    if not state:
-        return f"resuming with AMP a run that trained without it: the loss scale starts at {scaler.get_scale():g}"
-    scaler.load_state_dict(state)
-    return None
-
-
-def merge_windows(windows: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The open window of several ranks as one rank's (resuming on another number of ranks): gradients and counts
-    summed, which the window's all-reduce would have done; BatchNorm buffers of the first."""
-    windows = [w for w in windows if w is not None]
-    if not windows:
-        return None
-    grads = [None if gs[0] is None else sum(gs) for gs in zip(*(w["grads"] for w in windows))]
-    counts = sum(w["counts"] for w in windows)
-    return {**windows[0], "grads": grads, "counts": counts}
-
-
-def model_input(img: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A loader's images as the model takes them: on the device, float in [0, 1].
-
-    They stay NCHW even for a channels-last model: its first convolution lays them out as its weights, with identical
-    results (tests/test_speed_settings.py) and, on the CPU, at no measurable cost.
-    """
-    img = img.to(device, non_blocking=True)
-    return img.float() / 255 if img.dtype == torch.uint8 else img
-
-
-class WindowCounts:
-    """What a window sums on the device and all-reduces once at its end, as one tensor with named views:
-    [images, target-score sum per loss branch..., non-finite losses, stop votes]."""
-
-    def __init__(self, num_branches: int, device: torch.device):
-        self.tensor = torch.zeros(num_branches + 3, device=device)
-        self.normaliser = self.tensor[: num_branches + 1]  # images, then per-branch sums: what the loss divides by
-        self.images = self.tensor[:1]
-        self.non_finite_losses = self.tensor[num_branches + 1 : num_branches + 2]
-        self.stop_votes = self.tensor[num_branches + 2 :]  # ranks asked to stop (a signal) in this window
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One optimizer step as it was taken: after iteration ni, over `micro_batches` micro-batches holding `images`
-    images on all devices, with each group's lr and the momentum (Adam's beta1); skipped when the window was not
-    finite (the optimizer then did not step)."""
-
-    ni: int
-    micro_batches: int
-    images: int
-    lrs: tuple[float, ...]
-    momentum: float
-    skipped: bool
-
-    @classmethod
-    def of(cls, ni: int, micro_batches: int, images: int, optimizer: torch.optim.Optimizer, finite: bool) -> StepRecord:
-        g = optimizer.param_groups
-        momentum = g[0]["momentum"] if "momentum" in g[0] else g[0].get("betas", (math.nan,))[0]
-        return cls(ni, micro_batches, images, tuple(x["lr"] for x in g), momentum, not finite)
-
-
-@dataclass(frozen=True)
-class EpochResult:
-    """How far an epoch got: micro-batches done, and why it ended early (None when it completed)."""
-
-    done: int
-    stopped: str | None  # "interrupted" (a signal) or "diverged" (nan_patience skipped windows in a row)

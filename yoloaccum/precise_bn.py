@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from yoloaccum import backoff, distributed
+from yoloaccum.batches import model_input
+from yoloaccum.buffers import Kept
 from yoloaccum.distributed import Context
-from yoloaccum.engine import model_input
 
 _BN = nn.modules.batchnorm._BatchNorm
 BATCH = 64  # images per forward pass: as good as one pass of all 256 images on the runs measured (docs/accuracy.md)
@@ -81,7 +82,7 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
     hooks = [layer.register_forward_hook(m) for layer, m in zip(layers, moments)]
     modes = {m: m.training for m in model.modules()}
     momenta = [layer.momentum for layer in layers]
-    before = [(layer.running_mean.clone(), layer.running_var.clone()) for layer in layers]
+    before = [Kept(layer) for layer in layers]  # put back where the pass fails, or where no image reached
     model.eval()
     for layer in layers:
         layer.train()  # normalise with each micro-batch's statistics; its running statistics become them (momentum 1)
@@ -94,7 +95,8 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
             model(img)
             num_images += img.shape[0]
     except BaseException:
-        _put_back(layers, before, range(len(layers)))
+        for kept in before:
+            kept.put_back()
         raise
     finally:
         for h in hooks:
@@ -103,7 +105,8 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
             m.train(training)
         for layer, momentum in zip(layers, momenta):
             layer.momentum = momentum
-    _put_back(layers, before, _set_statistics(layers, moments, ctx))
+    for i in _set_statistics(layers, moments, ctx):
+        before[i].put_back()
     return num_images
 
 
@@ -121,12 +124,6 @@ def recompute_images(model: nn.Module, images: torch.Tensor, ctx: Context, batch
                 raise
             batch //= 2
             torch.cuda.empty_cache()
-
-
-def _put_back(layers: list[_BN], before: list[tuple[torch.Tensor, torch.Tensor]], which) -> None:
-    for i in which:
-        layers[i].running_mean.copy_(before[i][0])
-        layers[i].running_var.copy_(before[i][1])
 
 
 def _set_statistics(layers: list[_BN], moments: list[_Moments], ctx: Context) -> list[int]:

@@ -1,4 +1,4 @@
-"""Resuming a run: find its last.pt, reconcile the arguments, and capture or restore the RNG states.
+"""Resuming a run: find its last.pt and reconcile the arguments with the saved ones (state.py restores the rest).
 
 A resumed run is the run it was: the schedule-changing arguments (batch, nbs and every other training setting) are
 refused when they differ from the saved ones. Only settings that cannot change the result are taken from the command
@@ -7,16 +7,11 @@ line, and epochs, which continues a finished or interrupted run to a new length 
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from yoloaccum import checkpoint, schedule
+from yoloaccum import state as state_
 from yoloaccum.config import Config, parse_args, schema
 from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
@@ -30,6 +25,7 @@ MAY_CHANGE = {
     "verbose",
     "log_every",
     "plots",
+    "tensorboard",
     "trust_weights",
     "cache",
     "save_period",
@@ -52,10 +48,10 @@ def find_last(project: str | None) -> Path:
 
 def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
     """The saved run's config (with the allowed changes), its checkpoint (its training state read by
-    checkpoint.training_state, in the current format), and the checkpoint's path."""
+    state.read, in the current format), and the checkpoint's path."""
     path = find_last(cfg.project) if cfg.resume is True else Path(str(cfg.resume))
     ckpt = checkpoint.load(path, cfg.trust_weights)
-    state = ckpt["yoloaccum"] = checkpoint.training_state(ckpt, path)
+    state = ckpt["yoloaccum"] = state_.read(ckpt, path)
     saved, given = state["config"], parse_args(args)
     given.pop("cfg", None)
     run, done = path.parent.parent, state["position"]["epoch"]
@@ -107,53 +103,3 @@ def extension_note(state: dict[str, Any], cfg: Config) -> str | None:
     if warmup:
         note += f"; warmup ({warmup:g} epochs) is " + ("already done" if done >= warmup else "kept as planned")
     return note
-
-
-@contextmanager
-def rng_kept() -> Iterator[None]:
-    """Every random state of this process as it was before the block, after it: for work that draws random numbers
-    but must leave training's draws as they would have been without it."""
-    state = rng_state(None)
-    try:
-        yield
-    finally:
-        restore_rng(state, None)
-
-
-def rng_state(loader_generator: torch.Generator | None) -> dict[str, Any]:
-    """Every random state that training consumes, in types that torch.load(weights_only=True) accepts."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-        # The current device's (distributed.setup sets it to the run's), and only where this process already uses CUDA:
-        # asking on a CPU run of a GPU machine would make a context on GPU 0.
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
-        "loader": loader_generator.get_state() if loader_generator is not None else None,
-    }
-
-
-def restore_rng(state: dict[str, Any], loader_generator: torch.Generator | None) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_initialized():  # a CUDA run resumed on the CPU leaves CUDA alone
-        torch.cuda.set_rng_state(state["cuda"])
-    if loader_generator is not None and state["loader"] is not None:
-        loader_generator.set_state(state["loader"])
-
-
-def restore_mosaic_buffer(dataset, indices: list[int]) -> None:
-    """Mosaic draws its partner images from the indices of recently loaded images; load them again, in order.
-
-    With workers=0 the buffer lives in this process, so restoring it makes the resumed run's mosaics the ones the
-    uninterrupted run would have made. (With workers > 0 each worker keeps its own buffer, which is not saved.)
-    """
-    if not hasattr(dataset, "buffer"):
-        return
-    dataset.buffer.clear()
-    for i in indices:
-        dataset.load_image(i)  # appends i to the buffer, as the first load did

@@ -1,11 +1,14 @@
-"""The run folder (project/name, exp2, exp3, ...) with args.yaml, weights/ and results; the run's seeding and
-memory allocator settings."""
+"""The run folder (project/name, exp2, exp3, ...) with args.yaml, weights/ and results; the run's seeding, memory
+allocator and garbage collector settings."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,11 +89,11 @@ class RunDir:
             probe.unlink()
         except OSError as e:
             raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
-        with open_in_run(path / "args.yaml", "w") as f:
-            f.write(cfg.to_yaml())
+        run = cls(path)
+        run.write_args(cfg)
         for log in ("results.csv", "schedule.csv"):
             (path / log).unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
-        return cls(path)
+        return run
 
     @classmethod
     def reopen(cls, path: Path) -> RunDir:
@@ -98,6 +101,11 @@ class RunDir:
         if not (path / "weights").is_dir():
             raise UserError(f"{path} is not a run folder (no weights/ in it); resume needs a run's weights/last.pt")
         return cls(path)
+
+    def write_args(self, cfg: Config) -> None:
+        """args.yaml: the run's settings (again when a resume extends its epochs)."""
+        with open_in_run(self.path / "args.yaml", "w") as f:
+            f.write(cfg.to_yaml())
 
     @property
     def weights(self) -> Path:
@@ -130,3 +138,22 @@ class RunDir:
             self.console.print(f"weights: {self.weights / 'best.pt'} and {self.weights / 'last.pt'}")
         else:
             self.console.print(f"no weights saved (save=False); results in {self.path}")
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Hide every object alive now (modules, dataset, labels: hundreds of thousands of them) from the cyclic garbage
+    collector while training. A full collection would otherwise walk them all at some iteration, a stall measured on
+    the CPU (docs/performance.md), and in each loader worker, forked from this process, copy every page it touched.
+
+    It is kept on CUDA too: it changes no computation, only which objects the collector scans, and freezing before
+    the loader forks its workers is what Python's gc documentation advises to keep the children's pages shared."""
+    if gc.get_freeze_count():  # frozen by whoever runs us: theirs to undo, not ours
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from yoloaccum import backoff, checkpoint, config, data, distributed
+from yoloaccum import backoff, batches, checkpoint, config, data, distributed
 from yoloaccum.config import Config
 from yoloaccum.data import DatasetSpec
 from yoloaccum.errors import UserError
@@ -31,7 +31,7 @@ class Evaluator:
         from ultralytics.models.yolo.detect import DetectionValidator
 
         args = ultralytics_args(cfg, mode="val", batch=batch, conf=cfg.conf or 0.001, data=str(spec.yaml_file),
-                                workers=data.loader_workers(cfg.workers, device))  # fmt: skip
+                                workers=batches.loader_workers(cfg.workers, device))  # fmt: skip
         self.validator = v = DetectionValidator(save_dir=save_dir, args=args)
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: no JSON; plots only when asked

@@ -1,0 +1,104 @@
+"""The end-of-epoch steps (epoch_end.py), each run alone on a real trainer (tiny model and data, nothing trained
+unless the test says so), and the TensorBoard log read back from its event file."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from conftest import shapes_yaml
+
+from yoloaccum import checkpoint, config, epoch_end
+from yoloaccum.tensorboard import TensorBoard
+from yoloaccum.trainer import Trainer
+
+
+def _trainer(tmp_path, **changes) -> Trainer:
+    settings = {"data": str(shapes_yaml(tmp_path, num_train=8, num_val=4)), "model": "yolo26n.yaml", "imgsz": 64,
+                "batch": 4, "nbs": 8, "epochs": 2, "workers": 0, "plots": False, "verbose": False, "precise_bn": 0,
+                "project": str(tmp_path), "name": "run", **changes}  # fmt: skip
+    return Trainer.from_config(config.resolve(overrides=settings))
+
+
+def test_rank_zero_runs_every_step_in_order_and_the_collectives_come_first(tmp_path):
+    t = _trainer(tmp_path)
+    names = [getattr(s, "__name__", type(s).__name__) for s in t.epoch_end]
+    assert names == ["PreciseBN", "gather_rank_states", "validate", "results", "early_stopping", "save"]
+    t.run = None  # a rank without a run folder: the collective steps alone
+    assert epoch_end.steps(t) == [t.precise_bn, epoch_end.gather_rank_states]
+
+
+def test_early_stopping_ends_the_run_only_before_its_final_epoch(tmp_path):
+    t = _trainer(tmp_path, patience=1)
+    t.stopper(1, 0.5)  # epoch 1 was the best
+    end = epoch_end.EpochEnd(epoch=2, final=False, images_per_second=1.0)
+    t.fitness = 0.1
+    epoch_end.early_stopping(t, end)
+    assert end.stop == "patience"
+    final = epoch_end.EpochEnd(epoch=2, final=True, images_per_second=1.0)
+    epoch_end.early_stopping(t, final)
+    assert final.stop is None  # the last epoch ends the run anyway, as "final"
+
+
+def test_validate_keeps_the_last_figures_when_no_validation_is_due(tmp_path):
+    t = _trainer(tmp_path, val=False, patience=100)
+    t.fitness, t.best_fitness = 0.3, 0.4
+    end = epoch_end.EpochEnd(epoch=0, final=False, images_per_second=1.0)
+    epoch_end.validate(t, end)
+    assert not end.validated and not end.best and t.best_fitness == 0.4
+
+
+def test_results_and_save_write_the_row_last_pt_and_best_pt(tmp_path):
+    t = _trainer(tmp_path)
+    t.train_start, t.train_losses = 0.0, [1.0, 2.0, 3.0]
+    t.gather_rank_states()
+    end = epoch_end.EpochEnd(epoch=0, final=False, images_per_second=12.5, best=True)
+    epoch_end.results(t, end)
+    epoch_end.save(t, end)
+    with (t.run.path / "results.csv").open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["epoch"].strip() == "1" and float(row["images_per_second"]) == 12.5 and float(row["accumulate"]) == 2
+    last = checkpoint.load(t.run.weights / "last.pt")
+    assert last["yoloaccum"]["position"] == {"epoch": 1, "batch": 0} and not last["yoloaccum"]["finished"]
+    assert checkpoint.load(t.run.weights / "best.pt")["yoloaccum"]["stripped"]
+
+
+def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_a_run_with_tensorboard_logs_every_step_and_epoch(tmp_path):
+    """Trained for real (2 epochs of 8 images, windows of 2 micro-batches of 4): the log holds what schedule.csv and
+    results.csv hold, read back from the event file."""
+    pytest.importorskip("tensorboard")
+    t = _trainer(tmp_path, tensorboard=True, warmup_epochs=0)
+    assert isinstance(t.epoch_end[4], TensorBoard)
+    t.train()
+    scalars = _scalars(t.run.path)
+    with (t.run.path / "schedule.csv").open() as f:
+        steps = list(csv.DictReader(f))
+    assert [s for s, _ in scalars["step/lr/pg0"]] == [int(r["ni"]) for r in steps] == [1, 3]
+    assert [v for _, v in scalars["step/accumulate"]] == [2.0, 2.0]
+    assert [v for _, v in scalars["step/effective_batch"]] == [8.0, 8.0]
+    assert [v for _, v in scalars["step/skipped_windows"]] == [0.0, 0.0]
+    assert [pytest.approx(v) for _, v in scalars["step/momentum"]] == [float(r["momentum"]) for r in steps]
+    with (t.run.path / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    for tag in ("train/box_loss", "metrics/mAP50-95(B)", "val/box_loss", "lr/pg0", "effective_batch"):
+        logged = [v for _, v in scalars[tag]]
+        assert [s for s, _ in scalars[tag]] == [1, 2]
+        assert logged == [pytest.approx(float(r[tag]), rel=1e-5, abs=1e-6) for r in rows], tag
+
+
+def test_tensorboard_true_without_the_package_says_so_and_trains_on(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name))
+    t = _trainer(tmp_path, tensorboard=True)
+    assert not any(isinstance(s, TensorBoard) for s in t.epoch_end)
+    assert "tensorboard package is not installed" in capsys.readouterr().out

@@ -1,0 +1,55 @@
+"""tensorboard=True: a TensorBoard log in the run folder, written by an end-of-epoch step (epoch_end.py).
+
+Per optimizer step (x: the iteration it followed): each group's lr, the momentum (Adam's beta1), the window's
+micro-batches and images, and the windows skipped so far. Per epoch (x: the epoch): every column of results.csv
+(training and validation losses, metrics, lr, accumulate, effective batch, weight decay, images/s). The log is
+Ultralytics' optional extra: without the tensorboard package the run says so once and trains without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from yoloaccum.epoch_end import EpochEnd
+    from yoloaccum.trainer import Trainer
+
+
+class TensorBoard:
+    """Writes the epoch's optimizer steps and results row, then flushes, so the log is whole after every epoch."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+        self.skipped = 0
+
+    @classmethod
+    def for_run(cls, t: Trainer) -> TensorBoard | None:
+        if importlib.util.find_spec("tensorboard") is None:
+            t.run.console.print("[yellow]warning:[/] tensorboard=True, but the tensorboard package is not installed "
+                                "(pip install tensorboard); training without a TensorBoard log")  # fmt: skip
+            return None
+        board = cls(t.run.path)
+        board.skipped = len(t.engine.skipped)  # a resumed run counts on from the windows skipped before it
+        return board
+
+    def __call__(self, t: Trainer, end: EpochEnd) -> None:
+        w = self.writer
+        for r in t.epoch_steps:
+            self.skipped += r.skipped
+            for i, lr in enumerate(r.lrs):
+                w.add_scalar(f"step/lr/pg{i}", lr, r.ni)
+            w.add_scalar("step/momentum", r.momentum, r.ni)
+            w.add_scalar("step/accumulate", r.micro_batches, r.ni)
+            w.add_scalar("step/effective_batch", r.images, r.ni)
+            w.add_scalar("step/skipped_windows", self.skipped, r.ni)
+        for key, value in end.row.items():
+            if key != "epoch":
+                w.add_scalar(key, value, end.epoch + 1)
+        w.flush()
+
+    def close(self) -> None:
+        self.writer.close()
