@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import checkpoint, faults, state
+from yoloaccum import checkpoint, config, faults, resume, state
 from yoloaccum.errors import UserError
 
 RUN = ("imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1", "log_every=1")
@@ -134,6 +134,20 @@ def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_o
     r = run_cli("train", f"resume={newer}", "epochs=6")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"holds a training state of format {state.FORMAT + 1}, newer than this yoloaccum reads" in r.stderr
+
+
+def test_a_run_saved_before_a_key_existed_resumes_with_how_it_trained(uninterrupted, tmp_path):
+    """mosaic_buffer=window is the default now; a last.pt written before the key resumes with the buffer it trained
+    with (Ultralytics' sizing), not the new default, and giving the new default is refused as a change."""
+    ckpt = checkpoint.load(uninterrupted / "weights/last.pt")
+    saved = {k: v for k, v in ckpt["yoloaccum"]["config"].items() if k != "mosaic_buffer"}
+    path = tmp_path / "old/weights/last.pt"
+    checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "config": saved}}, path)
+    args = [f"resume={path}", "epochs=6"]
+    cfg, _, _ = resume.load(config.resolve(args), args)
+    assert cfg.mosaic_buffer == resume.BEFORE_THE_KEY["mosaic_buffer"] == "batch"
+    with pytest.raises(UserError, match="mosaic_buffer=window differs from its mosaic_buffer=batch"):
+        resume.load(config.resolve([*args, "mosaic_buffer=window"]), [*args, "mosaic_buffer=window"])
 
 
 def test_resume_with_more_epochs_continues_a_finished_run(uninterrupted, tmp_path, run_cli):

@@ -57,6 +57,15 @@ def test_metrics_print_whole_in_a_log(smoke_train):
     assert "…" not in line
 
 
+def test_mosaic_draws_from_the_windows_images_and_the_run_says_so(smoke_train):
+    """batch=4 nbs=16: mosaic's pool is 8 windows of 16 images (all 42 here), not Ultralytics' 8 micro-batches of 4."""
+    assert (
+        "mosaic: each image's partners come from the last 42 images loaded, as a real batch of 16 draws them"
+        in (smoke_train[1])
+    )
+    assert "as Ultralytics does, it would be 32)" in smoke_train[1]
+
+
 def test_smoke_run_writes_every_output(smoke_run):
     for name in OUTPUTS:
         assert (smoke_run / name).is_file(), name

@@ -36,6 +36,9 @@ MAY_CHANGE = {
     "exist_ok",
 }  # fmt: skip  (project/name only find the run for resume=True)
 
+# Keys added with a default that changes what a run computes: the value that reproduces a run saved before them.
+BEFORE_THE_KEY = {"mosaic_buffer": "batch"}
+
 
 def find_last(project: str | None) -> Path:
     """resume=True: the most recently written weights/last.pt under the project folder."""
@@ -62,8 +65,9 @@ def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
     if state.get("finished") and not extend:
         raise UserError(f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
                         f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}")  # fmt: skip
-    added = {k.name: k.default for k in schema().values() if k.name not in saved}  # keys newer than the run
-    for key, value in given.items():  # a key newer than the run had, in effect, its default there
+    # keys newer than the run: the value it trained with in effect (their default, or how yoloaccum worked before)
+    added = {k.name: BEFORE_THE_KEY.get(k.name, k.default) for k in schema().values() if k.name not in saved}
+    for key, value in given.items():
         was = saved.get(key, added.get(key))
         if key not in MAY_CHANGE and key != "epochs" and key in {**saved, **added} and value != was:
             raise UserError(

@@ -106,6 +106,12 @@ class Trainer(Parts):
             return
         precise = precise_bn.sample_size(cfg.precise_bn, len(self.train_set))
         self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers, precise, self.batch_choice)
+        pool = self.train_set.max_buffer_length
+        theirs = min(len(self.train_set), s.micro_batch // self.ctx.world_size * 8, 1000)  # Ultralytics' sizing
+        if cfg.mosaic and cfg.mosaic_buffer == "window" and pool > theirs:
+            self.run.console.print(f"mosaic: each image's partners come from the last {pool} images loaded, as a real "
+                                   f"batch of {s.effective_batch} draws them (mosaic_buffer=window; sized by the "
+                                   f"micro-batch, as Ultralytics does, it would be {theirs})")  # fmt: skip
         if cfg.bn == "window":
             window, per_device = model_.bn_window(cfg, self.ctx.world_size), s.micro_batch // self.ctx.world_size
             self.run.console.print(f"BatchNorm: bn={cfg.bn}, each layer normalises micro-batches of {per_device} "
