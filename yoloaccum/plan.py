@@ -72,9 +72,10 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     out = []
     if cfg.bn == "batch" and schedule.micro_batch < 8:
         out.append(
-            f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm statistics from so few images "
-            "are noisy; bn=sync (several CUDA devices) pools them, bn=frozen keeps them (fine-tuning); bn=window "
-            "pools the window's, which helps the statistics as trained but not with precise_bn (docs/batchnorm.md)"
+            f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm trains on the statistics of "
+            f"{schedule.micro_batch} images, which costs accuracy below 8 (docs/accuracy.md); mosaic_buffer=window and "
+            "precise_bn recover part of it. A larger micro-batch (grad_checkpointing=True frees memory for one) or "
+            "bn=sync over several CUDA devices pools more images"
         )
     if schedule.accumulate < round(cfg.nbs / schedule.batch):
         out.append(

@@ -107,13 +107,13 @@ class Trainer(Parts):
         precise = precise_bn.sample_size(cfg.precise_bn, len(self.train_set))
         self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers, precise, self.batch_choice)
         pool = self.train_set.max_buffer_length
-        theirs = min(len(self.train_set), s.micro_batch // self.ctx.world_size * 8, 1000)  # Ultralytics' sizing
+        theirs = min(len(self.train_set), s.micro_batch * 8, 1000)  # Ultralytics' sizing, by the micro-batch
         if cfg.mosaic and cfg.mosaic_buffer == "window" and pool > theirs:
             self.run.console.print(f"mosaic: each image's partners come from the last {pool} images loaded, as a real "
                                    f"batch of {s.effective_batch} draws them (mosaic_buffer=window; sized by the "
                                    f"micro-batch, as Ultralytics does, it would be {theirs})")  # fmt: skip
         if cfg.bn == "window":
-            window, per_device = model_.bn_window(cfg, self.ctx.world_size), s.micro_batch // self.ctx.world_size
+            window, per_device = model_.bn_window(cfg, self.ctx.world_size), s.micro_batch  # micro_batch: per device
             self.run.console.print(f"BatchNorm: bn={cfg.bn}, each layer normalises micro-batches of {per_device} "
                                    f"with the statistics of its last {window} images on each device")  # fmt: skip
             if window <= per_device:
