@@ -102,3 +102,21 @@ def test_tensorboard_true_without_the_package_says_so_and_trains_on(tmp_path, mo
     t = _trainer(tmp_path, tensorboard=True)
     assert not any(isinstance(s, TensorBoard) for s in t.epoch_end)
     assert "tensorboard package is not installed" in capsys.readouterr().out
+
+
+def test_a_stop_inside_an_epoch_logs_its_steps_and_the_resumed_run_logs_on(tmp_path, run_cli):
+    """SIGINT at iteration 5 of 8 (windows of 2): the steps up to the stop are in the log when last.pt is written, and
+    the resumed run logs the rest, each step once, with the skipped-window count carried over."""
+    pytest.importorskip("tensorboard")
+    from conftest import offline_env
+
+    data = shapes_yaml(tmp_path, num_train=16, num_val=4)
+    args = ("train", f"data={data}", "model=yolo26n.yaml", "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0",
+            "plots=False", "precise_bn=0", "warmup_epochs=0", "tensorboard=True", f"project={tmp_path}",
+            "name=run")  # fmt: skip
+    stopped = run_cli(*args, env=offline_env({"YOLOACCUM_FAULT": "sigint@5"}), timeout=600)
+    assert stopped.returncode != 0 and "resume with" in stopped.stderr, stopped.stderr[-2000:]
+    assert [s for s, _ in _scalars(tmp_path / "run")["step/accumulate"]] == [1, 3, 5]
+    resumed = run_cli("train", f"resume={tmp_path / 'run/weights/last.pt'}", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [s for s, _ in _scalars(tmp_path / "run")["step/accumulate"]] == [1, 3, 5, 7]

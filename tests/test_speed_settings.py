@@ -48,8 +48,8 @@ def test_deterministic_mode_does_not_fill_new_tensors():
 
 @pytest.mark.parametrize("name", ["yolo26n.yaml", "yolo11n.yaml"])
 def test_a_channels_last_model_takes_nchw_images_with_identical_results(name):
-    """The trainer feeds the loader's NCHW images to its channels-last model unconverted (engine.model_input): the first
-    convolution lays them out itself. Loss and every gradient are the same, bit for bit."""
+    """The trainer feeds the loader's NCHW images to its channels-last model unconverted (batches.model_input): the
+    first convolution lays them out itself. Loss and every gradient are the same, bit for bit."""
     from ultralytics.nn.tasks import DetectionModel
 
     from yoloaccum import config

@@ -80,9 +80,10 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
         schedule = resume.resumed_schedule(ckpt["yoloaccum"], schedule, spec.nc)
         if run and resume.extension_note(ckpt["yoloaccum"], cfg):
             run.write_args(cfg)  # the run's settings now: its new epochs
-    per_device = batch // ctx.world_size
-    window = schedule.effective_batch // ctx.world_size if cfg.mosaic_buffer == "window" else per_device
-    data.set_batch(train_set, per_device, window)
+    # mosaic's pool: 8 windows of this device's images, as a real batch of nbs would draw them, or (batch) 8 global
+    # micro-batches, as yoloaccum sized it before the key (on one device, Ultralytics' sizing)
+    window = schedule.effective_batch // ctx.world_size if cfg.mosaic_buffer == "window" else batch
+    data.set_batch(train_set, batch, window)
     loader = batches.build_loader(train_set, cfg, schedule.micro_batch, ctx.rank, ctx.world_size, ctx.device)
     if cfg.bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
         norm.convert(raw_model, model_.bn_window(cfg, ctx.world_size))

@@ -165,7 +165,7 @@ _REASONS = (
 
 def set_batch(dataset: Dataset, batch: int, window: int) -> None:
     """Set what Ultralytics sizes from the batch, once the run's batch is known (batch=-1 chooses it after the dataset
-    is built): `batch` is this device's micro-batch, `window` the images its mosaic buffer is sized by, 8 times over.
+    is built): `batch` is the micro-batch, `window` the images its mosaic buffer is sized by, 8 times over.
 
     Mosaic draws each image's three partners from the buffer of recently loaded images, which Ultralytics sizes as
     8 batches (at most 1000). Sized by the micro-batch, a run at micro-batch 2 draws them from its last 16 images

@@ -131,7 +131,7 @@ class Results:
 
 
 class StepLog:
-    """schedule.csv: one row per optimizer step as the engine took it (engine.StepRecord), appended once per epoch
+    """schedule.csv: one row per optimizer step as the engine took it (window.StepRecord), appended once per epoch
     from records kept in memory, so logging adds no host sync and no file write inside an epoch."""
 
     def __init__(self, save_dir: Path):

@@ -8,6 +8,7 @@ Ultralytics' optional extra: without the tensorboard package the run says so onc
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +25,6 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(log_dir))
-        self.skipped = 0
 
     @classmethod
     def for_run(cls, t: Trainer) -> TensorBoard | None:
@@ -32,23 +32,26 @@ class TensorBoard:
             t.run.console.print("[yellow]warning:[/] tensorboard=True, but the tensorboard package is not installed "
                                 "(pip install tensorboard); training without a TensorBoard log")  # fmt: skip
             return None
-        board = cls(t.run.path)
-        board.skipped = len(t.engine.skipped)  # a resumed run counts on from the windows skipped before it
-        return board
+        return cls(t.run.path)
 
     def __call__(self, t: Trainer, end: EpochEnd) -> None:
-        w = self.writer
+        self.write_steps(t)
+        for key, value in end.row.items():
+            if key != "epoch":
+                self.writer.add_scalar(key, value, end.epoch + 1)
+        self.writer.flush()
+
+    def write_steps(self, t: Trainer) -> None:
+        """The optimizer steps of the epoch so far: at its end, or at a stop inside it (where last.pt is written, so
+        that the resumed run logs on from there and no step is logged twice)."""
+        w, skipped = self.writer, sorted(t.engine.skipped)  # every skipped window of the run, also before a resume
         for r in t.epoch_steps:
-            self.skipped += r.skipped
             for i, lr in enumerate(r.lrs):
                 w.add_scalar(f"step/lr/pg{i}", lr, r.ni)
             w.add_scalar("step/momentum", r.momentum, r.ni)
             w.add_scalar("step/accumulate", r.micro_batches, r.ni)
             w.add_scalar("step/effective_batch", r.images, r.ni)
-            w.add_scalar("step/skipped_windows", self.skipped, r.ni)
-        for key, value in end.row.items():
-            if key != "epoch":
-                w.add_scalar(key, value, end.epoch + 1)
+            w.add_scalar("step/skipped_windows", bisect.bisect_right(skipped, r.ni), r.ni)
         w.flush()
 
     def close(self) -> None:

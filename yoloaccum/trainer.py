@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +73,7 @@ class Trainer(Parts):
             self._compile()
         self.train_start = time.perf_counter()
         bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
-        with GracefulStop() as stop_signal, frozen_heap(), bounded:
+        with GracefulStop() as stop_signal, frozen_heap(), bounded, self._closing_steps():
             if self.run and cfg.plots and self.position == (0, 0):  # drawn while the first epoch trains
                 self.drawing = plots.Background(plots.labels, self.train_set, self.spec.names, self.run.path)
             epoch, start = self.position
@@ -92,12 +94,19 @@ class Trainer(Parts):
                 if reason := stop_reason(result.stopped, ended):
                     break
                 epoch, start = epoch + 1, 0
-        for step in self.epoch_end:
-            getattr(step, "close", lambda: None)()  # the TensorBoard log's file
         distributed.barrier(self.ctx)
         if reason in {"diverged", "interrupted"}:
             self._raise_stopped(reason, stop_signal)
         return self.final_eval()
+
+    @contextmanager
+    def _closing_steps(self) -> Iterator[None]:
+        """The end-of-epoch steps that hold a file (TensorBoard's) close it when training ends, however it ends."""
+        try:
+            yield
+        finally:
+            for step in self.epoch_end:
+                getattr(step, "close", lambda: None)()
 
     def _announce(self) -> None:
         """The run's first lines: what it trains, with which schedule, and the BatchNorm mode's choice."""
@@ -222,6 +231,8 @@ class Trainer(Parts):
 
     def save_position(self, epoch: int, done: int) -> None:
         """last.pt at a window boundary inside an epoch (a stop): no partial gradients, the next image's position."""
+        for step in self.epoch_end:
+            getattr(step, "write_steps", lambda t: None)(self)  # the TensorBoard log's steps so far
         self.gather_rank_states()
         if self.run is not None and self.cfg.save:
             ckpt = state.of(self, (epoch, done), interrupted=True)
