@@ -18,7 +18,7 @@ import yaml
 
 from yoloaccum.errors import UserError
 from yoloaccum.keys import Keys
-from yoloaccum.schema import Key, _type_name, schema
+from yoloaccum.schema import Key, schema, type_names
 
 _ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Config keeps default.yaml's spelling
 _DERIVED = {
@@ -169,7 +169,7 @@ def _from_text(key: str, text: str) -> Any:
                 continue
         if t is str:
             return text
-    raise UserError(f"{key}={text} is not {_type_name(spec)}; e.g. {key}={spec.default}")
+    raise UserError(f"{key}={text} is not {type_names(spec.types)}; e.g. {key}={spec.default}")
 
 
 def _validate(values: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
         if k in _ANY_CASE and isinstance(v, str):
             v = values[k] = next((c for c in spec.choices if c.lower() == v.lower()), v)
         if isinstance(v, bool) and bool not in spec.types or not isinstance(v, spec.types):
-            raise UserError(f"{k}={v!r} is not {_type_name(spec)}; e.g. {k}={spec.default}")
+            raise UserError(f"{k}={v!r} is not {type_names(spec.types)}; e.g. {k}={spec.default}")
         if isinstance(v, float) and not math.isfinite(v):
             raise UserError(f"{k}={v} must be a finite number")
         _check_rules(spec, v)
@@ -198,7 +198,7 @@ def _check_rules(spec: Key, v: Any) -> None:
     """The rules default.yaml gives the key; batch's own (AutoBatch values) in _check_batch."""
     k = spec.name
     if isinstance(v, str) and spec.choices and v not in spec.choices:
-        others = [_type_name(Key(k, None, tuple(t for t in spec.types if t is not str), ""))] * (spec.types != (str,))
+        others = [type_names(tuple(t for t in spec.types if t is not str))] * (spec.types != (str,))
         raise UserError(f"{k}={v} is not {' or '.join([*others, 'one of ' + ', '.join(spec.choices)])}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from yoloaccum import data, precise_bn, state
+from yoloaccum import checkpoint, data, precise_bn, state
 from yoloaccum.progress import EXTRA_COLUMNS
 from yoloaccum.validate import show_metrics
 
@@ -111,8 +111,6 @@ def save(t: Trainer, end: EpochEnd) -> None:
     """last.pt after every epoch, epochN.pt every save_period epochs, and best.pt when fitness improved."""
     if not t.cfg.save:
         return
-    from yoloaccum import checkpoint
-
     w = t.run.weights
     paths = [w / "last.pt"]
     if t.cfg.save_period > 0 and (end.epoch + 1) % t.cfg.save_period == 0:
@@ -130,5 +128,5 @@ def steps(t: Trainer) -> list[Step]:
     every: list[Step] = [t.precise_bn, gather_rank_states]
     if t.run is None:
         return every
-    board = [TensorBoard.for_run(t)] if t.cfg.tensorboard else []
-    return [*every, validate, results, *[b for b in board if b is not None], early_stopping, save]
+    board = TensorBoard.for_run(t) if t.cfg.tensorboard else None  # None also without the package
+    return [*every, validate, results, *([board] if board else []), early_stopping, save]

@@ -74,9 +74,10 @@ def schema() -> dict[str, Key]:
     return keys
 
 
-def _type_name(spec: Key) -> str:
+def type_names(types: tuple[type, ...]) -> str:
+    """The types as an error message names them: "an integer or text"."""
     names = {bool: "true/false", int: "an integer", float: "a number", str: "text"}
-    return " or ".join(names[t] for t in spec.types)
+    return " or ".join(names[t] for t in types)
 
 
 def typed_view() -> str:
