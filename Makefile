@@ -22,11 +22,14 @@ train: install
 	$(BIN)/yoloaccum train data=datasets/shapes.yaml model=yolo26n.yaml imgsz=160 batch=8 nbs=64 epochs=35 \
 		workers=2 warmup_epochs=1 close_mosaic=5 project=runs/train name=shapes
 
+# A pytest-xdist worker per core, each test file on one worker (its module fixtures are made once), one thread each.
+XDIST := -n auto --dist loadfile
+
 test: install
-	$(BIN)/python -m pytest --durations=25
+	$(BIN)/python -m pytest $(XDIST) --durations=25
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 lint: install
 	$(BIN)/ruff check yoloaccum tests benchmarks

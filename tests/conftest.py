@@ -1,6 +1,7 @@
 """Shared test helpers: `run_cli` runs the real `yoloaccum` command line in a subprocess from the repository root,
 with the network beyond this machine blocked (tests/offline/sitecustomize.py), and `shapes_yaml` makes small sets."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,11 +10,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = Path(__file__).resolve().parent / "offline"  # its sitecustomize blocks non-loopback connections
 # Inherited settings that would change what the CLI prints: a debug traceback, or torchrun's world size.
 _UNSET = ("YOLOACCUM_DEBUG", "WORLD_SIZE")
+
+# Under pytest-xdist (`make test` runs a worker per core) each worker and every process it starts computes on one
+# thread: a worker's two threads beside another worker's would contend for the same cores, and PyTorch's spinning
+# threads then run several times slower. Set before anything imports torch; a user's own setting is kept.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -81,27 +89,49 @@ EXACT = ("model=yolo26n.yaml", "imgsz=64", "epochs=2", "warmup_epochs=0", "bn=fr
          "val=False", "plots=False", "exist_ok=True")  # fmt: skip
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> object:
+    """A session fixture's value, made once for the whole test run: `make(folder)` returns something JSON can hold.
+    Under pytest-xdist every worker has a session of its own, so the first worker to ask makes it in a folder all
+    workers see, and the others wait for it there and read what it returned."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' basetemps are siblings
+    folder, done = root / name, root / f"{name}.json"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(make(folder)))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def exact_args(tmp_path_factory) -> tuple[str, ...]:
     """The shared arguments: the data, EXACT, and a start from one epoch of training."""
-    folder = tmp_path_factory.mktemp("exact")
-    data = shapes_yaml(folder, num_train=42, num_val=8, seed=5)
-    # precise_bn=0 here: the runs freeze BatchNorm at the start's statistics, and recomputed ones (from one pass in
-    # which upstream layers normalise per batch) leave activations for which float32 reordering grows past the
-    # tolerance within six steps. The compared runs keep the default, which touches only the EMA.
-    r = _run_cli("train", f"data={data}", f"project={folder}", "name=start", *EXACT, "epochs=1", "batch=16",
-                 "nbs=16", "precise_bn=0", env=SERIAL, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return (f"data={data}", *EXACT, f"pretrained={folder / 'start/weights/last.pt'}")
+
+    def make(folder: Path) -> list[str]:
+        data = shapes_yaml(folder, num_train=42, num_val=8, seed=5)
+        # precise_bn=0 here: the runs freeze BatchNorm at the start's statistics, and recomputed ones (from one pass
+        # in which upstream layers normalise per batch) leave activations for which float32 reordering grows past
+        # the tolerance within six steps. The compared runs keep the default, which touches only the EMA.
+        r = _run_cli("train", f"data={data}", f"project={folder}", "name=start", *EXACT, "epochs=1", "batch=16",
+                     "nbs=16", "precise_bn=0", env=SERIAL, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return [f"data={data}", *EXACT, f"pretrained={folder / 'start/weights/last.pt'}"]
+
+    return tuple(made_once(tmp_path_factory, "exact", make))
 
 
 @pytest.fixture(scope="session")
 def big_batch_run(exact_args, tmp_path_factory) -> Path:
     """The reference: one process, batch=16 nbs=16 (no accumulation)."""
-    project = tmp_path_factory.mktemp("big")
-    r = _run_cli("train", f"project={project}", "name=big", *exact_args, "batch=16", "nbs=16", env=SERIAL, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return project / "big"
+
+    def make(project: Path) -> str:
+        r = _run_cli("train", f"project={project}", "name=big", *exact_args, "batch=16", "nbs=16", env=SERIAL,
+                     timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return str(project / "big")
+
+    return Path(made_once(tmp_path_factory, "big", make))
 
 
 def final_weights(run: Path):
