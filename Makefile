@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint format clean bench bench-defaults bench-precise-bn bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity
+.PHONY: install train test numerics test-fast lint format clean bench bench-defaults bench-precise-bn bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity
 
 install: $(STAMP)
 
@@ -25,8 +25,12 @@ train: install
 # A pytest-xdist worker per core, each test file on one worker (its module fixtures are made once), one thread each.
 XDIST := -n auto --dist loadfile
 
-test: install
-	$(BIN)/python -m pytest $(XDIST) --durations=25
+# The gate: the exactness proofs (tests marked numerics) first, then everything else.
+test: numerics
+	$(BIN)/python -m pytest $(XDIST) -m "not numerics" --durations=25
+
+numerics: install  # k micro-batches equal one big batch, bitwise resume, DDP equivalence, parity with Ultralytics
+	$(BIN)/python -m pytest $(XDIST) -m numerics --durations=10
 
 test-fast: install
 	$(BIN)/python -m pytest $(XDIST) -m "not slow"

@@ -19,6 +19,7 @@ def bn_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
 
 
+@pytest.mark.numerics
 def test_a_window_that_runs_out_of_memory_ends_as_a_run_at_half_the_micro_batch():
     # 80 images: micro-batches of 8 accumulated 4 times (windows of 32, 32 and 16 images), against micro-batches of 4
     # accumulated 8 times: the same images in each window. The error comes in the first window's second batch, after
@@ -45,6 +46,7 @@ def test_out_of_memory_at_one_image_per_device_says_what_to_do():
         engine.train_epoch(0, toy_batches(8, 2))
 
 
+@pytest.mark.numerics
 def test_split_batch_cuts_a_detection_batch_by_image_with_its_labels():
     batch = {"img": torch.arange(5).view(5, 1), "batch_idx": torch.tensor([0.0, 2, 2, 3, 4, 4]),
              "cls": torch.arange(6.0).view(6, 1), "bboxes": torch.arange(24.0).view(6, 4),
@@ -57,6 +59,7 @@ def test_split_batch_cuts_a_detection_batch_by_image_with_its_labels():
     assert len(split_batch(batch, 8)) == 5  # never an empty micro-batch
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_cli_back_off_ends_with_the_weights_of_a_run_at_half_the_micro_batch(exact_args, tmp_path, run_cli):
     # batch=16 nbs=32 on 42 images: windows of 32 and 10 images; batch=8 nbs=32 cuts them into the same windows.

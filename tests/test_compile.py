@@ -65,6 +65,7 @@ def test_after_an_out_of_memory_back_off_the_halved_sizes_are_compiled():
         assert {len(c["img"]) for c in cut} == schedule.cut_sizes(n, parts)
 
 
+@pytest.mark.numerics
 def test_a_compiled_window_equals_the_eager_one_and_compiling_changes_nothing():
     """One window of a full and a short micro-batch: the same step to float tolerance, BatchNorm statistics and EMA
     included. And the warm-up that compiles leaves the weights, buffers and gradients as they were."""
@@ -153,6 +154,7 @@ def test_where_compiling_cannot_work_the_run_trains_eager_with_one_warning(tmp_p
     assert (tmp_path / "eager/weights/last.pt").exists()
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_two_compiled_ranks_end_where_two_eager_ranks_do(tmp_path: Path):
     """Under torchrun (gloo): DDP around the compiled model, no_sync on all but a window's last micro-batch. Global

@@ -37,6 +37,7 @@ def single(tmp_path_factory) -> dict:
     return window(tmp_path_factory.mktemp("single"), 1, 16)  # one process, one micro-batch of 16
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, tmp_path):
     ddp = window(tmp_path, 2, 4)  # 2 ranks x micro-batch 2 x accumulate 4
@@ -45,6 +46,7 @@ def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, t
     assert relative_difference(ddp["weights"], single["weights"]) <= 1e-5
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_gradients_all_reduce_once_per_window(tmp_path):
     with_no_sync, without = window(tmp_path, 2, 4), window(tmp_path, 2, 4, "sync-all")
@@ -54,6 +56,7 @@ def test_gradients_all_reduce_once_per_window(tmp_path):
     assert sorted(set(without["communicated"])) == [1, 2, 3, 4]  # Ultralytics' way: every micro-batch
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_args, tmp_path):
     r = torchrun(2, "-m", "yoloaccum", "train", f"project={tmp_path}", "name=ddp", *exact_args, "batch=4", "nbs=16")
@@ -63,6 +66,7 @@ def test_torchrun_cli_run_ends_with_the_big_batch_weights(big_batch_run, exact_a
     assert difference <= 1e-4
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run, exact_args, tmp_path):
     """torchrun --nnodes=2 with c10d rendezvous: two launchers, as on two machines, here both on 127.0.0.1."""
@@ -108,6 +112,7 @@ def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path,
     assert Path("weights/best.pt") in files["ddp"]
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_path, run_cli):
     """Every rank restores its own random states and mosaic buffer: 2 ranks, mosaic on, stopped mid-epoch by a SIGINT

@@ -13,6 +13,8 @@ from torch import nn
 from yoloaccum import config, distributed, optim, schedule
 from yoloaccum.engine import Engine
 
+pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `make numerics`
+
 CPU = distributed.Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 

@@ -15,6 +15,8 @@ from yoloaccum import model as model_
 from yoloaccum.loss import WindowLoss
 from yoloaccum.ultra import ultralytics_args
 
+pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `make numerics`
+
 IMGSZ = 64
 # Objects per image for 4 micro-batches of 2 images: unequal counts, and one image (the 3rd) with no objects.
 OBJECTS = [[5, 3], [1, 0], [2, 7], [1, 1]]

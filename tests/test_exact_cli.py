@@ -8,6 +8,8 @@ from briefly trained weights). norm=micro, Ultralytics' behaviour, visibly disag
 import pytest
 from conftest import SERIAL, final_weights, relative_difference
 
+pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `make numerics`
+
 
 def accumulated_run(norm, exact_args, tmp_path, run_cli):
     r = run_cli("train", f"project={tmp_path}", f"name={norm}", *exact_args, "batch=4", "nbs=16", f"norm={norm}",

@@ -32,6 +32,7 @@ def images(n: int = 8, channels: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, channels, 5, 5, generator=g) * 2 + 0.5
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("micro", [1, 2, 4])
 def test_the_windows_last_micro_batch_is_normalised_with_the_statistics_of_all_its_images(micro):
     """Micro-batches of 1, 2 or 4 through a window of 8 images: the last is normalised exactly as in one batch of 8;
@@ -57,6 +58,7 @@ def test_the_window_is_counted_in_images_and_slides():
     torch.testing.assert_close(last, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_without_a_queue_the_layer_is_batchnorm_gradient_included():
     """The first micro-batch (nothing queued yet): the same output and the same gradients as BatchNorm."""
     model, x = window_bn(), images(4).requires_grad_()
@@ -106,6 +108,7 @@ def conv_bn_model() -> nn.Module:
                          nn.Linear(8, 2))  # fmt: skip
 
 
+@pytest.mark.numerics
 def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_batch():
     """Out of memory in the second batch: the window runs again at micro-batches of 4. Its queue is put back with the
     other buffers, and the window counts images: the run ends bitwise where one started at 4 does."""
@@ -124,6 +127,7 @@ def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_b
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+@pytest.mark.numerics
 def test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_used():
     """The recomputation in backward sees the queues as the first forward did (not extended by it): the same
     gradients as without checkpointing."""
@@ -148,6 +152,7 @@ def test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_use
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_compiled_bn_window_equals_eager(tmp_path):
     """tests/models/tiny26.yaml with bn=window, compiled (inductor) against eager over one window of 4 micro-batches:
@@ -183,6 +188,7 @@ RUN = ("model=yolo26n.yaml", "imgsz=64", "batch=2", "nbs=8", "epochs=2", "worker
        "close_mosaic=0", "bn=window", "plots=False", "exist_ok=True")  # fmt: skip
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_model(tmp_path, run_cli):
     """Stopped by a SIGINT inside a window that spans two epochs (remainder=carry), resumed: the same weights as the
@@ -208,6 +214,7 @@ def test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_mo
     assert len(best.predict(torch.zeros(1, 3, 64, 64), verbose=False)) == 1
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_two_ranks_keep_their_own_queues_and_resume_bitwise(tmp_path):
     """Under DDP each rank normalises with its own images' statistics (nothing is reduced, no extra collective); the

@@ -14,6 +14,8 @@ from conftest import shapes_yaml
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
 from yoloaccum import shapes
 
+pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `make numerics`
+
 # The schedule does not depend on the architecture, only on the parameter groups; a Detect head keeps MuSGD's
 # class-head groups (cv3) and a forward + backward costs next to nothing.
 TINY_MODEL = """nc: 4

@@ -43,6 +43,7 @@ def one_batch_statistics(model: torch.nn.Module, layer: int = 0) -> tuple[torch.
 TOLERANCE = dict(rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.numerics
 def test_micro_batches_give_the_statistics_of_one_batch():
     model = make_model()
     expected = one_batch_statistics(model)  # layer 0: its input is the image, which no BatchNorm layer changes
@@ -53,6 +54,7 @@ def test_micro_batches_give_the_statistics_of_one_batch():
     torch.testing.assert_close(first.running_var, expected[1], **TOLERANCE)
 
 
+@pytest.mark.numerics
 def test_the_variance_includes_the_variance_between_micro_batches():
     model = make_model()
     shifted = images() + torch.arange(12).view(12, 1, 1, 1) / 4  # micro-batches with different means
@@ -97,6 +99,7 @@ def test_precise_bn_is_auto_or_a_count_of_images():
         config.resolve(["precise_bn=-1"])
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_two_ranks_give_the_statistics_of_one_process(tmp_path):
     out = tmp_path / "ranks.pt"
@@ -116,6 +119,7 @@ def test_two_ranks_give_the_statistics_of_one_process(tmp_path):
         torch.testing.assert_close(var, layer.running_var, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_training_is_the_same_with_and_without_precise_statistics(tmp_path, run_cli):
     """The recompute reads and writes only the EMA's statistics, and draws no random number that training uses:
@@ -191,6 +195,7 @@ def test_augmented_images_follow_the_recipe_and_plain_ones_are_letterboxed(tmp_p
     assert torch.equal(plain, draw(precise_bn_aug=False, mosaic=0.0, hsv_v=0.0))
 
 
+@pytest.mark.numerics
 def test_one_batch_of_all_images_gives_each_layer_what_it_sees_at_inference():
     """With one micro-batch of all the images, every layer's running statistics are the mean and variance, over all
     images, of its input in eval mode, every layer before it normalising with its own new statistics: what inference
@@ -236,6 +241,7 @@ class _SmallDevice(torch.nn.Module):
         return self.bn(self.conv(x))
 
 
+@pytest.mark.numerics
 def test_out_of_memory_halves_the_micro_batch_and_the_statistics_stay_those_of_all_images():
     pixels = torch.randint(0, 256, (12, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     small, large = _SmallDevice(fits=3), _SmallDevice(fits=12)

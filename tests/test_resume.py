@@ -39,6 +39,7 @@ def uninterrupted(data, tmp_path_factory, run_cli) -> Path:
     return project / "full"
 
 
+@pytest.mark.numerics
 def test_resume_after_epoch_2_ends_with_the_uninterrupted_weights(uninterrupted, tmp_path, run_cli):
     run = shutil.copytree(uninterrupted, tmp_path / "resumed")  # epoch2.pt is the state after epoch 2 of 4
     r = run_cli("train", f"resume={run / 'weights/epoch2.pt'}", env=SERIAL, timeout=600)
@@ -50,6 +51,7 @@ def test_resume_after_epoch_2_ends_with_the_uninterrupted_weights(uninterrupted,
     assert (run / "schedule.csv").read_text() == (uninterrupted / "schedule.csv").read_text()
 
 
+@pytest.mark.numerics
 def test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights(data, uninterrupted, tmp_path, run_cli):
     cmd = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *RUN, f"project={tmp_path}", "name=sig"]
     proc = subprocess.Popen(
@@ -308,6 +310,7 @@ def test_a_failing_disk_leaves_the_old_file_and_no_temporary_one(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_remainder_carry_keeps_a_window_left_open_at_a_stop(data, tmp_path, run_cli):
     """With remainder=carry a window spans epochs 2 and 3 (ni 11 to 14); a SIGINT at ni 11 stops at epoch 2's end,
