@@ -1,6 +1,8 @@
 """Shared test helpers: `run_cli` runs the real `yoloaccum` command line in a subprocess from the repository root,
-with the network beyond this machine blocked (tests/offline/sitecustomize.py), and `shapes_yaml` makes small sets."""
+with the network beyond this machine blocked (tests/offline/sitecustomize.py); `cli_in_process` runs it in the test's
+own process, for error paths; `shapes_yaml` makes small sets."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +24,16 @@ _UNSET = ("YOLOACCUM_DEBUG", "WORLD_SIZE")
 # threads then run several times slower. Set before anything imports torch; a user's own setting is kept.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _block_the_network() -> None:
+    """The guard the subprocesses load (tests/offline/sitecustomize.py), in the test process too: what runs in it,
+    the in-process CLI included, downloads nothing either."""
+    spec = importlib.util.spec_from_file_location("offline_guard", OFFLINE / "sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_block_the_network()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -60,6 +72,43 @@ def _run_cli(
 @pytest.fixture(scope="session")
 def run_cli() -> Callable[..., subprocess.CompletedProcess]:
     return _run_cli
+
+
+@pytest.fixture
+def cli_in_process(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
+    """`yoloaccum *args` run as run_cli runs it, the entry point included, but in this process: for error paths, which
+    end before anything trains, without a fresh interpreter's 3 to 4 s of imports each. The global settings a run
+    makes on its way (deterministic kernels, the environment) are put back; a traceback raises here as it would exit
+    there. Each exit code also keeps a test through a real subprocess."""
+    import torch
+
+    from yoloaccum import cli
+
+    flags = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill, cudnn = torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic
+    environ = dict(os.environ)
+
+    def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(REPO)
+        for key in _UNSET:
+            monkeypatch.delenv(key, raising=False)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(sys, "argv", ["yoloaccum", *map(str, args)])
+        capsys.readouterr()
+        try:
+            cli.run()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    yield run
+    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+    torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic = fill, cudnn
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def shapes_yaml(folder: Path, num_train: int, num_val: int, imgsz: int = 64, seed: int = 3) -> Path:

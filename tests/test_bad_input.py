@@ -132,10 +132,7 @@ BAD_INPUT = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("args", "phrases"), BAD_INPUT)
-def test_bad_input_exits_2_with_one_line(request, run_cli, folder: Path, args: tuple, phrases: tuple) -> None:
-    inputs = Inputs(request)
-    r = run_cli(*(a.format_map(inputs) for a in args), timeout=300)
+def check_one_line(r, phrases: tuple, inputs: Inputs, folder: Path) -> None:
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
     assert "Traceback" not in r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -143,6 +140,19 @@ def test_bad_input_exits_2_with_one_line(request, run_cli, folder: Path, args: t
     for phrase in phrases:
         assert phrase.format_map(inputs) in lines[0]
     assert not (folder / MARKER).exists(), "the crafted pickle ran its command"
+
+
+@pytest.mark.parametrize(("args", "phrases"), BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(request, cli_in_process, folder: Path, args: tuple, phrases: tuple) -> None:
+    inputs = Inputs(request)
+    check_one_line(cli_in_process(*(a.format_map(inputs) for a in args)), phrases, inputs, folder)
+
+
+def test_a_fresh_process_exits_2_with_one_line(request, run_cli, folder: Path) -> None:
+    """The cases above run in the test's process; this one runs the installed entry point as a user does."""
+    inputs = Inputs(request)
+    r = run_cli("train", f"data={inputs['data']}", *TINY, f"model={folder}/evil.pt", timeout=300)
+    check_one_line(r, CRAFTED, inputs, folder)
 
 
 def test_pretrained_of_another_architecture_loads_what_matches(run_cli, folder: Path, data: Path, yolo11_pt: Path):
