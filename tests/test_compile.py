@@ -168,6 +168,9 @@ def test_two_compiled_ranks_end_where_two_eager_ranks_do(tmp_path: Path):
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         assert r.stderr.count("Recompiling function") == (2 if compile_ else 0)  # each rank's warm-up: 8, then 4
+        # every rank compiled, and all of them agree on it (one all-reduce), so the run trains compiled
+        assert ("compile: compiled" in r.stdout) == compile_, r.stdout[-2000:]
+        assert "failed on another rank" not in r.stdout
     difference = relative_difference(
         final_weights(tmp_path / "compile_True"), final_weights(tmp_path / "compile_False")
     )
