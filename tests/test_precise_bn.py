@@ -223,8 +223,10 @@ def test_one_batch_of_all_images_gives_each_layer_what_it_sees_at_inference():
     assert model.training is False and len(seen) == len(layers)
     for layer in layers:
         var, mean = torch.var_mean(seen[layer].double(), dim=(0, 2, 3))
-        torch.testing.assert_close(layer.running_mean, mean.float(), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(unbiased[layer], var.float(), rtol=1e-4, atol=1e-5)
+        # float32 rounding through some 60 layers upstream, each normalising in another order than the pass did:
+        # up to 2e-5 on this machine for means near 0; a wrong statistic (another batch's) is off by 1e-2 or more
+        torch.testing.assert_close(layer.running_mean, mean.float(), rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(unbiased[layer], var.float(), rtol=1e-4, atol=5e-5)
 
 
 class _SmallDevice(torch.nn.Module):
