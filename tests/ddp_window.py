@@ -1,10 +1,15 @@
 """Run under torchrun by tests/test_distributed.py: one accumulation window through the real Engine and DDP.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=N tests/ddp_window.py OUT.pt BATCH NBS [sync-all]
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/ddp_window.py OUT.pt BATCH NBS [OPTIONS]
 
 16 synthetic images (tests/test_equivalence.py's batches) form one window of global micro-batches of BATCH images;
 each rank takes its contiguous slice of each, as yoloaccum's sampler does. Rank 0 saves the gradient seen by the
 optimizer, the weights after the step, and which micro-steps all-reduced gradients (counted by a DDP comm hook).
+
+Options: sync-all (all-reduce after every micro-batch, as Ultralytics); bn-window (BatchNorm trains, as bn=window:
+each rank passes over its own images of the window first); as-ranks=K (one process only, with bn-window: the window
+of K ranks run here one rank after another, each with its own images' statistics, then one step: the reference
+for K ranks).
 """
 
 import sys
@@ -16,12 +21,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_equivalence import OBJECTS, concat, grads, make_model, micro_batch  # noqa: E402
 
-from yoloaccum import config, distributed, schedule  # noqa: E402
+from yoloaccum import config, distributed, norm, schedule  # noqa: E402
 from yoloaccum.engine import Engine  # noqa: E402
 from yoloaccum.loss import WindowLoss  # noqa: E402
 
 
-def main(out: str, batch: int, nbs: int, sync_all: bool) -> None:
+def main(out: str, batch: int, nbs: int, sync_all: bool, bn_window: bool, as_ranks: int) -> None:
     ctx = distributed.setup("cpu")
     objects = OBJECTS + [[0, 4], [2, 2], [6, 1], [3, 0]]  # 16 images, 0 to 7 objects each
     images = concat([micro_batch(n, seed) for seed, n in enumerate(objects)])
@@ -29,7 +34,11 @@ def main(out: str, batch: int, nbs: int, sync_all: bool) -> None:
     s = schedule.build(cfg, num_images=16, world_size=ctx.world_size, nc=3)
     model = make_model("yolo11n.yaml")
     loss = WindowLoss(model, "window")
-    engine = Engine.build(model, loss, s, ctx, "frozen", clip_grad=1e9, no_sync=not sync_all)
+    engine = Engine.build(model, loss, s, ctx, "batch" if bn_window else "frozen", clip_grad=1e9,
+                          no_sync=not sync_all)  # fmt: skip
+    if bn_window:  # make_model froze BatchNorm; here it trains, with each window's statistics
+        norm.convert(model.train())
+        engine.window_statistics = norm.WindowStatistics(model)
     ddp = engine.model
 
     forward_passes, communicated = [0], []
@@ -43,7 +52,17 @@ def main(out: str, batch: int, nbs: int, sync_all: bool) -> None:
         ddp.register_comm_hook(None, counting_hook)
     seen = {}
     engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.__setitem__("grad", grads(model)))
-    engine.train_epoch(0, list(rank_batches(images, s.micro_batch, ctx)))
+    if as_ranks:  # the reference: each simulated rank's micro-batches with its own statistics, one window
+        assert ctx.world_size == 1 and bn_window
+        micro = batch // as_ranks
+        for rank in range(as_ranks):
+            mine = list(rank_batches(images, micro, distributed.Context(rank, rank, as_ranks, ctx.device)))
+            engine.window_statistics(mine)
+            for b in mine:
+                engine.micro_step(b)
+        engine.step(s.total_iterations - 1)
+    else:
+        engine.train_epoch(0, list(rank_batches(images, s.micro_batch, ctx)))
     if ctx.is_main:
         weights = torch.cat([p.detach().flatten() for p in model.parameters()])
         torch.save({"grad": seen["grad"], "weights": weights, "communicated": communicated,
@@ -66,4 +85,6 @@ def rank_batches(images: dict, micro: int, ctx: distributed.Context):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "sync-all" in sys.argv[4:])
+    options = sys.argv[4:]
+    as_ranks = next((int(o.split("=")[1]) for o in options if o.startswith("as-ranks=")), 0)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "sync-all" in options, "bn-window" in options, as_ranks)

@@ -201,9 +201,24 @@ def test_plan_plot_writes_a_png(run_cli, tmp_path: Path) -> None:
 
 
 def test_plan_warns_about_a_small_micro_batch_with_bn_batch(run_cli) -> None:
-    warnings = _plan_json(run_cli, "batch=4", "nbs=64", "images=512")["summary"]["warnings"]
+    warnings = _plan_json(run_cli, "batch=4", "nbs=64", "images=512", "bn=batch")["summary"]["warnings"]
     assert len(warnings) == 1
     assert "micro-batch 4 per device with bn=batch" in warnings[0]
+
+
+@pytest.mark.parametrize(("batch", "bn"), [(2, "window"), (4, "window"), (8, "batch"), (16, "batch")])
+def test_plan_says_what_bn_auto_takes_for_the_micro_batch(run_cli, batch, bn) -> None:
+    """Below 8 images per device bn=auto (the default) normalises with the window's statistics, and plan says what
+    that does instead of only warning; from 8 on it is bn=batch, with nothing to say."""
+    summary = _plan_json(run_cli, f"batch={batch}", "nbs=64", "images=512")["summary"]
+    assert summary["bn"] == bn
+    warnings = [w for w in summary["warnings"] if "BatchNorm" in w]
+    if bn == "window":
+        assert len(warnings) == 1
+        assert f"micro-batch {batch} per device: bn=auto takes bn=window" in warnings[0]
+        assert f"statistics of its window's {batch * round(64 / batch)} images" in warnings[0]
+    else:
+        assert warnings == []
 
 
 def test_plan_warns_when_nbs_is_below_batch(run_cli) -> None:

@@ -1,6 +1,6 @@
-"""A module's buffers (BatchNorm's running statistics, bn=window's queues) kept aside and put back: the one helper
-for each "do this, then leave the statistics as they were" of a run. Its users: a skipped or backed-off window
-(engine), the batch=-1 probe (autobatch), compile's warm-up (compiler) and a checkpointed block's
+"""A module's buffers (BatchNorm's running statistics, bn=window's window statistics) kept aside and put back: the
+one helper for each "do this, then leave the statistics as they were" of a run. Its users: a skipped or backed-off
+window (engine), the batch=-1 probe (autobatch), compile's warm-up (compiler) and a checkpointed block's
 recomputation (model), and the layers a precise_bn pass leaves as they were. Random states have theirs:
 state.rng_kept."""
 

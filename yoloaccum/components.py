@@ -34,6 +34,7 @@ class Parts:
     train_set: Any  # Ultralytics' YOLODataset
     run: RunDir | None
     raw_model: torch.nn.Module  # the parameters; engine.model is what runs forward (DDP's wrapper under torchrun)
+    bn: str  # the BatchNorm mode in force: cfg.bn, with auto resolved for the micro-batch (schedule.bn_mode)
     ema: Any  # Ultralytics' ModelEMA
     loss: loss.WindowLoss
     batch_choice: autobatch.Choice | None  # batch=-1 or a fraction: what was measured; None for batch=N
@@ -85,15 +86,17 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
     window = schedule.effective_batch // ctx.world_size if cfg.mosaic_buffer == "window" else batch
     data.set_batch(train_set, batch, window)
     loader = batches.build_loader(train_set, cfg, schedule.micro_batch, ctx.rank, ctx.world_size, ctx.device)
-    if cfg.bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
-        norm.convert(raw_model, model_.bn_window(cfg, ctx.world_size))
+    window_statistics, bn = None, schedule_.bn_mode(cfg.bn, schedule.micro_batch)
+    if bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
+        norm.convert(raw_model)
+        window_statistics = norm.WindowStatistics(raw_model, cfg.bn_window, amp=amp)  # on each rank's own images
     log = run.console.print if run else (lambda message: None)
-    engine = Engine.build(raw_model, criterion, schedule, ctx, cfg.bn, amp, clip_grad=cfg.clip_grad, ema=ema,
-                          nan_patience=cfg.nan_patience, log=log)  # fmt: skip
+    engine = Engine.build(raw_model, criterion, schedule, ctx, bn, amp, clip_grad=cfg.clip_grad, ema=ema,
+                          nan_patience=cfg.nan_patience, log=log, window_statistics=window_statistics)  # fmt: skip
     # rank 0 validates alone, on one device, in batches of twice the micro-batch
     evaluator = Evaluator(cfg, spec, run.path, schedule.micro_batch * 2, ctx.device, run.console.print) if run else None
-    return Parts(cfg, ctx, spec, train_set, run, raw_model, ema, criterion, batch_choice, schedule, loader, engine,
-                 evaluator)  # fmt: skip
+    return Parts(cfg, ctx, spec, train_set, run, raw_model, bn, ema, criterion, batch_choice, schedule, loader,
+                 engine, evaluator)  # fmt: skip
 
 
 def build_loader(parts: Parts) -> torch.utils.data.DataLoader:

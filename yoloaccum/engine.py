@@ -68,6 +68,9 @@ class Engine:
     # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
     window_batches: list[dict[str, Any]] | None = field(default_factory=list)
     after_back_off: Callable[[], None] | None = None  # called once a back-off has halved the micro-batch
+    # bn=window: run over each window's loader batches before its first micro-step (norm.WindowStatistics)
+    window_statistics: Callable[[list[dict[str, Any]]], None] | None = None
+    window_ahead: list[dict[str, Any]] = field(default_factory=list)  # the batches the last statistics pass saw
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -91,12 +94,15 @@ class Engine:
         windows in a row.
         """
         s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
-        for i, batch in enumerate(batches, start):
+        for i, batch, ahead in self._looking_ahead(epoch, enumerate(batches, start)):
             self.ni = ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
             if self.micro_batches_in_window == 0:  # a skipped window must not leave its statistics in BatchNorm
                 self._snapshot_buffers()
                 self.window_batches = []
+            if ahead:  # bn=window: the statistics of the window's images (of this epoch's part of it), then its steps
+                self.window_ahead = ahead
+                self.window_statistics(ahead)
             if self.window_batches is not None:
                 self.window_batches.append(batch)
             if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts
@@ -115,6 +121,24 @@ class Engine:
                     return EpochResult(i + 1, "diverged")
         assert i + 1 == nb, f"the loader gave {i + 1} batches, the schedule expects {nb}"
         return EpochResult(nb, None)
+
+    def _looking_ahead(self, epoch: int, numbered: Iterable[tuple[int, dict]]):
+        """(i, batch, ahead) for each numbered batch. With a statistics pass, `ahead` is, at a window's first batch in
+        this epoch, the window's batches up to its end or the epoch's (fetched ahead from the loader); else empty."""
+        if self.window_statistics is None:
+            yield from ((i, batch, []) for i, batch in numbered)
+            return
+        numbered, first = iter(numbered), epoch * self.schedule.batches_per_epoch
+        for i, batch in numbered:
+            window = [(i, batch)]
+            while not self.schedule.steps_after(first + window[-1][0]):
+                following = next(numbered, None)
+                if following is None:  # the epoch ends inside the window (remainder=carry)
+                    break
+                window.append(following)
+            ahead = [b for _, b in window]
+            for k, (j, b) in enumerate(window):
+                yield j, b, ahead if k == 0 else []
 
     def _snapshot_buffers(self) -> None:
         """Keep the model's buffers (BatchNorm's running statistics); after the first window, in the same tensors."""
@@ -140,6 +164,8 @@ class Engine:
             try:
                 if self.after_back_off is not None:  # compile=: the new micro-batch sizes, before they run
                     self.after_back_off()
+                if self.window_statistics is not None:  # put back with the buffers: the same images' again
+                    self.window_statistics(self.window_ahead)
                 for k, b in enumerate(window):
                     items = self.iteration(first + k, b, last_in_window and k == len(window) - 1)
                 return items

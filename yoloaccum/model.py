@@ -66,11 +66,6 @@ def load_matching(model: nn.Module, source: nn.Module) -> tuple[int, int]:
     return len(theirs), len(own)
 
 
-def bn_window(cfg: Config, world_size: int) -> int:
-    """bn=window's images per device: bn_window, or nbs over the devices (the window's images on each)."""
-    return cfg.bn_window or max(1, cfg.nbs // world_size)
-
-
 def set_bn_mode(model: nn.Module, bn: str) -> None:
     """bn=frozen: BatchNorm layers normalise with, and keep, their running statistics; their affine still trains."""
     if bn == "frozen":
@@ -118,8 +113,8 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
 
 def _recompute_contexts(block: nn.Module):
     """The recomputation in backward must see the block's buffers as the first forward saw them, and leave them as
-    the first forward left them: BatchNorm's running statistics are not updated twice, and bn=window's queues (which
-    the first forward already extended) give the recomputation the statistics the first forward normalised with."""
+    the first forward left them: BatchNorm's running statistics are not updated twice (bn=batch updates them in every
+    training forward; bn=window's layers only read buffers there, and are recomputed exactly either way)."""
     first_saw: list[Kept] = []
     return _buffers_kept(block, first_saw), _buffers_as_before(block, first_saw)
 

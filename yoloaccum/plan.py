@@ -12,7 +12,7 @@ from rich.table import Table
 from yoloaccum import config, devices, schedule
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
-from yoloaccum.schedule import ADAPTIVE, Schedule
+from yoloaccum.schedule import ADAPTIVE, BN_AUTO_BELOW, Schedule, bn_mode
 
 if TYPE_CHECKING:
     from yoloaccum import autobatch
@@ -70,12 +70,20 @@ def _data():
 def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     """Recipe choices that work but deserve a second look."""
     out = []
-    if cfg.bn == "batch" and schedule.micro_batch < 8:
+    micro, bn = schedule.micro_batch, bn_mode(cfg.bn, schedule.micro_batch)
+    if bn == "batch" and micro < BN_AUTO_BELOW:
         out.append(
-            f"micro-batch {schedule.micro_batch} per device with bn=batch: BatchNorm trains on the statistics of "
-            f"{schedule.micro_batch} images, which costs accuracy below 8 (docs/accuracy.md); mosaic_buffer=window and "
-            "precise_bn recover part of it. A larger micro-batch (grad_checkpointing=True frees memory for one) or "
-            "bn=sync over several CUDA devices pools more images"
+            f"micro-batch {micro} per device with bn=batch: BatchNorm trains on the statistics of {micro} images, "
+            f"which costs accuracy below {BN_AUTO_BELOW} (docs/accuracy.md); bn=window (what bn=auto, the default, "
+            "takes here) normalises every micro-batch with its window's statistics"
+        )
+    if bn == "window" and micro < BN_AUTO_BELOW:
+        window = schedule.effective_batch // schedule.world_size
+        chosen = "bn=auto takes bn=window" if cfg.bn == "auto" else "bn=window"
+        out.append(
+            f"micro-batch {micro} per device: {chosen}, so BatchNorm normalises every micro-batch with the statistics "
+            f"of its window's {window} images, as one batch of them would be, not with {micro} images' own; a forward "
+            "pass over the window before its micro-steps gives them, one more forward per image (docs/batchnorm.md)"
         )
     if schedule.accumulate < round(cfg.nbs / schedule.batch):
         out.append(
@@ -153,7 +161,7 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
         "steps_per_epoch": [schedule.steps_per_epoch(e) for e in range(schedule.epochs)],
         "total_steps": schedule.total_steps,
         "norm": cfg.norm,
-        "bn": cfg.bn,
+        "bn": bn_mode(cfg.bn, schedule.micro_batch),  # the mode in force: auto resolved for the micro-batch
         "remainder": cfg.remainder,
         "warnings": warnings(cfg, schedule),
     }
@@ -206,7 +214,7 @@ def render(cfg: Config, schedule: Schedule, console: Console, choice: autobatch.
         ("lr scaling", lr_scaling_line(s)),
         ("iterations per epoch", str(s["batches_per_epoch"])),
         ("optimizer steps", f"{per_epoch} per epoch, {s['total_steps']} in total"),
-        ("norm / bn / remainder", f"{s['norm']} / {s['bn']} / {s['remainder']}"),
+        ("norm / bn / remainder", f"{s['norm']} / {s['bn']}{' (auto)' * (cfg.bn == 'auto')} / {s['remainder']}"),
     ]
     if choice:
         rows.insert(2, ("micro-batch from memory", choice.reason))

@@ -27,6 +27,9 @@ ADAPTIVE = ADAM | {"RMSprop"}
 # lr_scale: how the update size should follow effective batch / nbs, as an exponent of that ratio
 LR_SCALE_EXPONENT = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
 HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralytics
+# bn=auto: each window's statistics (bn=window) below this many images per device, where a micro-batch's own cost
+# accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would (docs/batchnorm.md)
+BN_AUTO_BELOW = 8
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,13 @@ class Schedule:
         for ni in steps:
             ends[ni // nb].append(ni % nb)
         return [tuple(e) for e in ends]
+
+
+def bn_mode(bn: str, micro_batch: int) -> str:
+    """The BatchNorm mode a run trains with: `bn`, or for bn=auto the choice for `micro_batch` images per device."""
+    if bn != "auto":
+        return bn
+    return "window" if micro_batch < BN_AUTO_BELOW else "batch"
 
 
 def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Schedule:

@@ -3,11 +3,13 @@
 A checkpoint (last.pt) is Ultralytics' dict (a half-precision `ema` model, `train_args`, `epoch`, ...), so that it
 opens in ultralytics.YOLO, plus a `yoloaccum` entry holding what an exact resume needs in plain tensors and numbers:
 the fp32 model and EMA weights, the optimizer, scaler, schedule, position, early-stopping state, and each rank's own
-state (random states, mosaic buffer, its part of an open window, its out-of-memory back-offs, bn=window's queues).
+state (random states, mosaic buffer, its part of an open window, its out-of-memory back-offs).
 
 The entry is versioned by its `format` (FORMAT):
 - format 1: last.pt files written before the entry carried a version; the layout of format 2, converted on reading;
 - format 2: adds `format` itself;
+- format 3: no rank holds bn=window's queues (bn=window now takes each window's statistics from its own images);
+  a format-2 file of a bn=window run is refused, as it trained with the queues; any other converts unchanged;
 - before format 1, one set of random states for all ranks (no `ranks`): refused, as nothing can rebuild the others.
 """
 
@@ -24,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from yoloaccum import checkpoint, norm
+from yoloaccum import checkpoint
 from yoloaccum.errors import UserError
 
 if TYPE_CHECKING:
     from yoloaccum.trainer import Trainer
 
-FORMAT = 2  # the training state's layout, written into every last.pt (the module docstring lists the formats)
+FORMAT = 3  # the training state's layout, written into every last.pt (the module docstring lists the formats)
 
 
 def of(t: Trainer, position: tuple[int, int], finished: bool = False, interrupted: bool = False) -> dict[str, Any]:
@@ -71,10 +73,9 @@ def of(t: Trainer, position: tuple[int, int], finished: bool = False, interrupte
 
 def rank_state(t: Trainer) -> dict[str, Any]:
     """What each rank holds apart from the others: random states, mosaic buffer, the engine's own (its part of an
-    open window, and the iterations where it ran out of memory), bn=window's queues."""
+    open window, and the iterations where it ran out of memory)."""
     return {"rng": rng_state(t.loader.generator), **t.engine.state_dict(),
-            "mosaic_buffer": list(getattr(t.train_set, "buffer", [])),
-            "bn_window": norm.state(t.raw_model)}  # fmt: skip
+            "mosaic_buffer": list(getattr(t.train_set, "buffer", []))}  # fmt: skip
 
 
 def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -96,7 +97,11 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
             f"{path} was written by an earlier yoloaccum, which kept one set of random states for all ranks; finish "
             f"it with that version, or start a new run with pretrained={path}"
         )
-    return {**state, "format": FORMAT}  # format 1 has format 2's layout
+    if version < 3 and state.get("config", {}).get("bn") == "window":
+        raise UserError(f"{path} trained with bn=window's earlier queue of past micro-batches' statistics, which this "
+                        "yoloaccum replaced by each window's own statistics; finish it with the yoloaccum that wrote "
+                        f"it, or start a new run with pretrained={path}")  # fmt: skip
+    return {**state, "format": FORMAT}  # formats 1 and 2 have format 3's layout, with keys it no longer reads
 
 
 def restore(t: Trainer, ckpt: dict[str, Any]) -> None:
@@ -139,8 +144,6 @@ def _restore_rank(t: Trainer, ranks: list[dict[str, Any]]) -> None:
     t.engine.load_state_dict({"open_window": window, "back_offs": mine["back_offs"] if mine else []})
     if mine is not None:
         restore_mosaic_buffer(t.train_set, mine["mosaic_buffer"])
-        if same:  # each rank's queues are its own images': on another number of ranks they start empty
-            norm.load_state(t.raw_model, mine.get("bn_window", {}))
         restore_rng(mine["rng"], t.loader.generator)  # last: building the run consumed random numbers
 
 

@@ -25,6 +25,7 @@ from yoloaccum.config import Config, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
+from yoloaccum.schedule import BN_AUTO_BELOW
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.validate import METRIC_KEYS, show_metrics
 from yoloaccum.window import EpochResult, StepRecord
@@ -121,14 +122,16 @@ class Trainer(Parts):
             self.run.console.print(f"mosaic: each image's partners come from the last {pool} images loaded, as a real "
                                    f"batch of {s.effective_batch} draws them (mosaic_buffer=window; sized by the "
                                    f"micro-batch, as Ultralytics does, it would be {theirs})")  # fmt: skip
-        if cfg.bn == "window":
-            window, per_device = model_.bn_window(cfg, self.ctx.world_size), s.micro_batch  # micro_batch: per device
-            self.run.console.print(f"BatchNorm: bn={cfg.bn}, each layer normalises micro-batches of {per_device} "
-                                   f"with the statistics of its last {window} images on each device")  # fmt: skip
-            if window <= per_device:
-                self.run.console.print(f"[yellow]warning:[/] bn_window={window} holds no more than one micro-batch "
-                                       f"of {per_device}: each is normalised with its own statistics, as with "
-                                       "bn=batch; give bn_window above it")  # fmt: skip
+        chosen = f"bn=auto chose bn={self.bn} for {s.micro_batch} images per device" if cfg.bn == "auto" else ""
+        if self.bn == "window":
+            window = s.effective_batch // self.ctx.world_size
+            images = f"first {min(cfg.bn_window, window)}" if cfg.bn_window else str(window)
+            self.run.console.print(f"BatchNorm: {chosen or 'bn=window'}: each micro-batch of {s.micro_batch} "
+                                   f"normalised with the statistics of its window's {images} images on its device, "
+                                   "from a forward pass over them before the window's first micro-step")  # fmt: skip
+        elif chosen:
+            self.run.console.print(f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as "
+                                   f"Ultralytics does (it takes bn=window below {BN_AUTO_BELOW})")  # fmt: skip
 
     def _compile(self) -> None:
         say = self.run.console.print if self.run else (lambda message: None)
