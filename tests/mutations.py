@@ -264,10 +264,10 @@ MUTATIONS = [
         "tests/test_compile.py::test_a_compiled_window_equals_the_eager_one_and_compiling_changes_nothing",
     ),
     (
-        "engine.py: the statistics pass sees only the window's first batch (no look-ahead)",
-        "yoloaccum/engine.py",
-        "            while not self.schedule.steps_after(first + window[-1][0]):",
-        "            while False:",
+        "window.py: the statistics pass sees only the window's first batch (no look-ahead)",
+        "yoloaccum/window.py",
+        "        while not schedule.steps_after(first + window[-1][0]):",
+        "        while False:",
         "tests/test_norm.py::test_the_engine_passes_over_each_window_before_its_first_micro_step",
     ),
     (

@@ -20,13 +20,14 @@ class Kept:
         self.module = module
         self.tensors = [b.clone() for b in module.buffers()] if tensors is None else tensors
 
-    def keep(self) -> None:
+    def keep(self) -> Kept:
         """Keep the buffers as they are now: into the same tensors when the module's buffers are still those kept."""
         buffers = list(self.module.buffers())
         if buffers and [b.shape for b in buffers] == [t.shape for t in self.tensors]:
             torch._foreach_copy_(self.tensors, buffers)
         else:
             self.tensors = [b.clone() for b in buffers]
+        return self
 
     @torch.no_grad()
     def put_back(self) -> None:

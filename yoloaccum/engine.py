@@ -22,7 +22,7 @@ from yoloaccum.batches import model_input, split_batch
 from yoloaccum.buffers import Kept
 from yoloaccum.distributed import Context
 from yoloaccum.schedule import Schedule
-from yoloaccum.window import EpochResult, StepRecord, WindowCounts
+from yoloaccum.window import EpochResult, StepRecord, WindowCounts, one_by_one, windows_ahead
 
 # With AMP, a window whose gradients overflowed counts towards nan_patience only once the scaler has halved its scale
 # below this: until then they overflowed because they were scaled up, which is GradScaler finding its scale (it starts
@@ -68,8 +68,7 @@ class Engine:
     # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
     window_batches: list[dict[str, Any]] | None = field(default_factory=list)
     after_back_off: Callable[[], None] | None = None  # called once a back-off has halved the micro-batch
-    # bn=window: run over each window's loader batches before its first micro-step (norm.WindowStatistics)
-    window_statistics: Callable[[list[dict[str, Any]]], None] | None = None
+    window_statistics: Callable[[list[dict[str, Any]]], None] | None = None  # bn=window's pass (norm.py), if any
     window_ahead: list[dict[str, Any]] = field(default_factory=list)  # the batches the last statistics pass saw
 
     def __post_init__(self):
@@ -94,15 +93,17 @@ class Engine:
         windows in a row.
         """
         s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
-        for i, batch, ahead in self._looking_ahead(epoch, enumerate(batches, start)):
+        numbered = enumerate(batches, start)
+        looked = windows_ahead(s, epoch, numbered) if self.window_statistics else one_by_one(numbered)
+        for i, batch, upcoming in looked:
             self.ni = ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
             if self.micro_batches_in_window == 0:  # a skipped window must not leave its statistics in BatchNorm
                 self._snapshot_buffers()
                 self.window_batches = []
-            if ahead:  # bn=window: the statistics of the window's images (of this epoch's part of it), then its steps
-                self.window_ahead = ahead
-                self.window_statistics(ahead)
+            if upcoming:  # bn=window: the statistics of the window's images (this epoch's part of it), then its steps
+                self.window_ahead = upcoming
+                self.window_statistics(upcoming)
             if self.window_batches is not None:
                 self.window_batches.append(batch)
             if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts
@@ -122,30 +123,9 @@ class Engine:
         assert i + 1 == nb, f"the loader gave {i + 1} batches, the schedule expects {nb}"
         return EpochResult(nb, None)
 
-    def _looking_ahead(self, epoch: int, numbered: Iterable[tuple[int, dict]]):
-        """(i, batch, ahead) for each numbered batch. With a statistics pass, `ahead` is, at a window's first batch in
-        this epoch, the window's batches up to its end or the epoch's (fetched ahead from the loader); else empty."""
-        if self.window_statistics is None:
-            yield from ((i, batch, []) for i, batch in numbered)
-            return
-        numbered, first = iter(numbered), epoch * self.schedule.batches_per_epoch
-        for i, batch in numbered:
-            window = [(i, batch)]
-            while not self.schedule.steps_after(first + window[-1][0]):
-                following = next(numbered, None)
-                if following is None:  # the epoch ends inside the window (remainder=carry)
-                    break
-                window.append(following)
-            ahead = [b for _, b in window]
-            for k, (j, b) in enumerate(window):
-                yield j, b, ahead if k == 0 else []
-
     def _snapshot_buffers(self) -> None:
         """Keep the model's buffers (BatchNorm's running statistics); after the first window, in the same tensors."""
-        if self.window_buffers is None:
-            self.window_buffers = Kept(self.raw_model)
-        else:
-            self.window_buffers.keep()
+        self.window_buffers = Kept(self.raw_model) if self.window_buffers is None else self.window_buffers.keep()
 
     def _micro_steps(self, ni: int, batch: dict[str, Any], last_in_window: bool) -> torch.Tensor:
         """Forward and backward loader batch ni, the newest of window_batches. On an out-of-memory error, back off
@@ -292,9 +272,8 @@ class Engine:
                 "buffers": [b.cpu() for b in self.window_buffers.tensors] if self.window_buffers else []}  # fmt: skip
 
     def restore_window(self, window: dict[str, Any] | None) -> None:
-        """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts. Its
-        gradients are brought to this run's AMP scale (resuming with AMP switched on or off, or another scale), so that
-        the micro-batches still to come add to gradients scaled as theirs are."""
+        """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts, which are
+        brought to this run's AMP scale (AMP switched on or off, or another scale), as theirs will be."""
         if window is None:
             return
         rescale = self._scale() / window.get("scale", 1.0)  # a window written before "scale" was kept: without AMP
@@ -308,8 +287,7 @@ class Engine:
         self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's engine state for last.pt: its part of an open window (open_window()) and the iterations where
-        it ran out of memory, each of which halves its micro-batch again on resume."""
+        """This rank's state for last.pt: its part of an open window, and its back-offs (each halves on resume)."""
         return {"open_window": self.open_window(), "back_offs": list(self.back_offs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

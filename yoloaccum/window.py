@@ -1,13 +1,18 @@
 """What an accumulation window counts and what each optimizer step leaves behind: WindowCounts (summed on the
 device, all-reduced once at the window's end), StepRecord (one per step, for schedule.csv and TensorBoard), and
-EpochResult (how far an epoch got)."""
+EpochResult (how far an epoch got); and a window's batches fetched ahead of its micro-steps (windows_ahead)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from yoloaccum.schedule import Schedule
 
 
 class WindowCounts:
@@ -48,3 +53,27 @@ class EpochResult:
 
     done: int
     stopped: str | None  # "interrupted" (a signal) or "diverged" (nan_patience skipped windows in a row)
+
+
+def one_by_one(numbered: Iterable[tuple[int, dict]]) -> Iterator[tuple[int, dict, list[dict]]]:
+    """(i, batch, []) for each numbered batch: nothing fetched ahead."""
+    return ((i, batch, []) for i, batch in numbered)
+
+
+def windows_ahead(
+    schedule: Schedule, epoch: int, numbered: Iterable[tuple[int, dict]]
+) -> Iterator[tuple[int, dict, list[dict]]]:
+    """(i, batch, upcoming) for each numbered batch of `epoch`; `upcoming` is, at a window's first batch in the epoch,
+    the window's batches up to its end or the epoch's (fetched ahead from the loader; bn=window's statistics pass
+    runs over them), and empty at the others."""
+    numbered, first = iter(numbered), epoch * schedule.batches_per_epoch
+    for i, batch in numbered:
+        window = [(i, batch)]
+        while not schedule.steps_after(first + window[-1][0]):
+            following = next(numbered, None)
+            if following is None:  # the epoch ends inside the window (remainder=carry)
+                break
+            window.append(following)
+        batches = [b for _, b in window]
+        for k, (j, b) in enumerate(window):
+            yield j, b, batches if k == 0 else []
