@@ -321,7 +321,7 @@ def test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_mo
     common = (f"data={data}", f"project={tmp_path}", *RUN, "remainder=carry", "val=False")
     full = run_cli("train", *common, "name=full", env=SERIAL, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
-    assert "BatchNorm: bn=window, each micro-batch of 2 normalised with the statistics of its window's 8 images" in (
+    assert "BatchNorm: bn=window: each micro-batch of 2 normalised with the statistics of its window's 8 images" in (
         " ".join(full.stdout.split())
     )
     r = run_cli("train", *common, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@5"}, timeout=600)

@@ -66,6 +66,16 @@ def test_mosaic_draws_from_the_windows_images_and_the_run_says_so(smoke_train):
     assert "as Ultralytics does, it would be 32)" in smoke_train[1]
 
 
+def test_a_small_micro_batch_takes_bn_window_and_the_run_says_so(smoke_train):
+    """batch=4 with the default bn=auto: bn=window, said in the run's first lines (best.pt is still a plain model:
+    the tests below open, validate, export and predict with it in Ultralytics)."""
+    out = " ".join(smoke_train[1].split())
+    assert (
+        "BatchNorm: bn=auto chose bn=window for 4 images per device: each micro-batch of 4 normalised with the "
+        "statistics of its window's 16 images on its device" in out
+    )
+
+
 def test_smoke_run_writes_every_output(smoke_run):
     for name in OUTPUTS:
         assert (smoke_run / name).is_file(), name
