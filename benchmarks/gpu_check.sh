@@ -558,6 +558,15 @@ else
   result amp_vs_fp32_training FAIL "rc amp=$rc_amp fp32=$rc_fp32: $(tail_of train_amp)"
 fi
 
+# ------------------------------------------------------------------------------------------------ 4b. bn=window under AMP
+# batch=4: bn=auto takes bn=window, whose statistics pass runs under autocast as the micro-steps do (never run on CUDA)
+step train_bn_window_amp 100 "${YA[@]}" train data=$SHAPES model=yolo26n.yaml imgsz=160 batch=4 nbs=64 epochs=2 \
+  warmup_epochs=1 close_mosaic=1 workers=8 device=0 plots=False exist_ok=True seed=0 project=$RUNS name=bnwin; rc=$?
+if [ $rc -eq 0 ] && grep -q "bn=auto chose bn=window" "$LOGS/train_bn_window_amp.log" \
+   && ! grep -q "non-finite" "$LOGS/train_bn_window_amp.log"; then
+  result bn_window_amp PASS "batch=4, AMP: bn=window trained 2 epochs and validated, no window skipped: $(grep -m1 -o 'final figures.*mAP50-95 [0-9.]*' "$LOGS/train_bn_window_amp.log")"
+else result bn_window_amp FAIL "rc=$rc: $(tail_of train_bn_window_amp)"; fi
+
 # ------------------------------------------------------------------------------------------------ 5. resume across devices
 # (on $BIG, not $SHAPES: a fraction rewrites the label cache, which the compile run in the background still reads)
 step resume_cpu_run 60 "${YA[@]}" train data="$BIG" model=yolo26n.yaml imgsz=64 batch=8 nbs=16 epochs=1 fraction=0.02 \
