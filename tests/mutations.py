@@ -254,7 +254,7 @@ MUTATIONS = [
         "yoloaccum/model.py",
         "    return _buffers_kept(block, first_saw), _buffers_as_before(block, first_saw)",
         "    return contextlib.nullcontext(), contextlib.nullcontext()",
-        "tests/test_norm.py::test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_used",
+        "tests/test_model.py::test_checkpointed_blocks_give_the_same_gradients_and_batchnorm_statistics",
     ),
     (
         "compiler.py: the warm-up's forward not under kept() (its blank images stay in BatchNorm's running statistics)",
@@ -353,6 +353,27 @@ MUTATIONS = [
         "            p.grad = None if g is None else torch.empty_like(p).copy_(g)  # empty_like: the parameter's layout",
         "            p.grad = None",
         "tests/test_resume.py::test_remainder_carry_keeps_a_window_left_open_at_a_stop",
+    ),
+    (
+        "norm.py: bn=window's r and d computed with gradient (the backward of a constant normalisation, not BatchNorm's)",
+        "yoloaccum/norm.py",
+        "        with torch.no_grad():  # the micro-batch's statistics against the window's, in float32",
+        "        if True:  # the micro-batch's statistics against the window's, in float32",
+        "tests/test_norm.py::test_a_window_of_one_micro_batch_is_batchnorm_gradient_included",
+    ),
+    (
+        "engine.py: bn=window's statistics pass runs at the epoch's first window only (later windows use stale statistics)",
+        "yoloaccum/engine.py",
+        "            if upcoming:  # bn=window:",
+        "            if upcoming and i == start:  # bn=window:",
+        "tests/test_norm.py::test_with_one_micro_batch_a_window_the_engine_trains_as_bn_batch",
+    ),
+    (
+        "engine.py: bn=window's window carried past a stop reopened from last.pt without its accumulated gradients",
+        "yoloaccum/engine.py",
+        "            p.grad = None if g is None else torch.empty_like(p).copy_(g)  # empty_like: the parameter's layout",
+        "            p.grad = None",
+        "tests/test_norm.py::test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_model",
     ),
 ]
 

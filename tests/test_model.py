@@ -3,6 +3,7 @@
 import copy
 import sys
 
+import pytest
 import torch
 from conftest import REPO
 
@@ -30,6 +31,7 @@ def gradients_and_buffers(model, batch):
     return [p.grad for p in model.parameters()], list(model.buffers())
 
 
+@pytest.mark.numerics
 def test_checkpointed_blocks_give_the_same_gradients_and_batchnorm_statistics():
     plain = yolo()
     checkpointed = copy.deepcopy(plain)
