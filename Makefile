@@ -72,7 +72,11 @@ bench-startup: install  # how fast commands that train nothing answer
 bench-compile: install  # make bench's section (h) alone: compile=True against eager and Ultralytics (docs/compile.md)
 	$(BIN)/python benchmarks/bench.py --compile-only
 
-# Accuracy over seeds against a real batch of 64 and Ultralytics' trainer: benchmarks/fidelity.{md,json,png}. Long
+# Accuracy over seeds against a real batch of 64 and Ultralytics' trainer: benchmarks/fidelity.{md,json,png}, and on
+# BCCD (when ../shared has it) benchmarks/fidelity-bccd-30/. Long
 # (hours on 2 CPU cores); finished runs are kept in fidelity.json, so it continues where it stopped.
 fidelity: install
 	$(BIN)/python benchmarks/fidelity.py
+	@if [ -f ../shared/datasets/bccd.yaml ]; then \
+		$(BIN)/python benchmarks/fidelity.py --data bccd --epochs 30 --configs b64 b8 b4 b4-window b2 b2-window --seeds 0 1 2; \
+	else echo "fidelity: ../shared/datasets/bccd.yaml is not here, so the BCCD runs are skipped"; fi

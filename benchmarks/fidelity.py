@@ -30,19 +30,20 @@ sys.path.insert(0, str(HERE))
 from bench import fresh  # noqa: E402
 
 # name: (trainer, settings beyond the recipe). bn=sync needs several CUDA devices, so batch 2 runs batch and frozen.
+# b2 and b4 name bn=batch (the default before bn=auto, which takes bn=window below 8): their records were made so.
 CONFIGS = {
     "b64": ("yoloaccum", {"batch": 64}),
     "b8": ("yoloaccum", {"batch": 8}),
     "b8-micro": ("yoloaccum", {"batch": 8, "norm": "micro"}),
-    "b2": ("yoloaccum", {"batch": 2}),
+    "b2": ("yoloaccum", {"batch": 2, "bn": "batch"}),
     "b2-frozen": ("yoloaccum", {"batch": 2, "bn": "frozen"}),
     "b2-window": ("yoloaccum", {"batch": 2, "bn": "window"}),
     # mosaic's partners drawn from the last 8 micro-batches' images, as Ultralytics sizes the buffer (the default
     # before mosaic_buffer=window; the records of b2, b4 and b8 made before it are filed under these names)
-    "b2-batchbuffer": ("yoloaccum", {"batch": 2, "mosaic_buffer": "batch"}),
-    "b4-batchbuffer": ("yoloaccum", {"batch": 4, "mosaic_buffer": "batch"}),
+    "b2-batchbuffer": ("yoloaccum", {"batch": 2, "bn": "batch", "mosaic_buffer": "batch"}),
+    "b4-batchbuffer": ("yoloaccum", {"batch": 4, "bn": "batch", "mosaic_buffer": "batch"}),
     "b8-batchbuffer": ("yoloaccum", {"batch": 8, "mosaic_buffer": "batch"}),
-    "b4": ("yoloaccum", {"batch": 4}),
+    "b4": ("yoloaccum", {"batch": 4, "bn": "batch"}),
     "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
     "b8-window": ("yoloaccum", {"batch": 8, "bn": "window"}),
     # lr_scale at an effective batch of 128 (nbs 64, accumulate 1), AdamW as optimizer=auto picks it (b64's)
