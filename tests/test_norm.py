@@ -279,8 +279,8 @@ def test_compiled_bn_window_equals_eager(tmp_path):
     """tests/models/tiny26.yaml with bn=window, compiled (inductor) against eager over one window of 4 micro-batches,
     the pass run eager on both: the same gradient to float tolerance, and the same statistics. A guard of the
     combination (it traces, and trains as eager does), not a numerics gate: both sides run the same norm.py, and
-    running the pass compiled too, the one compile-specific choice, still gives the same figures (tests/mutations.py
-    was tried with it)."""
+    running the pass compiled too, the one compile-specific choice, still gives the same figures (tried as a
+    mutation: docs/testing.md)."""
     import sys
 
     from conftest import REPO
