@@ -379,6 +379,13 @@ MUTATIONS = [
         "tests/test_norm.py::test_the_engine_gives_every_layer_the_r_and_d_of_its_micro_batchs_own_input",
     ),
     (
+        "norm.py: each image's moments in the pass divided by its rows, not its pixels (r and d of a micro-batch wrong)",
+        "yoloaccum/norm.py",
+        "            per_value = 1.0 / (x.shape[2] * x.shape[3])",
+        "            per_value = 1.0 / x.shape[2]",
+        "tests/test_norm.py::test_a_window_of_one_micro_batch_is_batchnorm_gradient_included",
+    ),
+    (
         "engine.py: bn=window's micro-steps run without their r and d from the pass (next_micro_batch not called)",
         "yoloaccum/engine.py",
         '            self.window_statistics.next_micro_batch(batch["img"].shape[0])',
