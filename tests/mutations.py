@@ -82,11 +82,10 @@ MUTATIONS = [
         "tests/test_resume.py::test_resume_after_epoch_2_ends_with_the_uninterrupted_weights",
     ),
     (
-        "norm.py: bn=window falls back to each micro-batch's own statistics (r = 1, d = 0 from the pass)",
+        "norm.py: bn=window falls back to each micro-batch's own statistics (r = 1, d = 0)",
         "yoloaccum/norm.py",
-        "        torch.mul(var.add_(self._eps).sqrt_(), self._invstd, out=self._step[0])\n"
-        "        torch.mul(mean.sub_(self._mean), self._invstd, out=self._step[1])",
-        "        self._step[0], self._step[1] = 1, 0",
+        "            r = ((var_b + self.eps).sqrt() / std).clamp_(1 / R_MAX, R_MAX)\n            d = ((mean_b - self.window_mean) / std).clamp_(-D_MAX, D_MAX)",
+        "            r = torch.ones_like(var_b)\n            d = torch.zeros_like(mean_b)",
         "tests/test_norm.py::test_every_micro_batch_of_a_window_is_normalised_as_one_batch_of_its_images",
     ),
     (
@@ -360,37 +359,7 @@ MUTATIONS = [
         "yoloaccum/norm.py",
         "        with torch.no_grad():  # the micro-batch's statistics against the window's, in float32",
         "        if True:  # the micro-batch's statistics against the window's, in float32",
-        "tests/test_norm.py::test_the_gradient_goes_through_the_micro_batchs_statistics_as_batch_renormalization"
-        "[from-the-input]",
-    ),
-    (
-        "norm.py: r and d taken from a micro-batch's input fall back to its own statistics (r = 1, d = 0)",
-        "yoloaccum/norm.py",
-        "            r = (var_b + self.eps).sqrt() / std\n            d = (mean_b - self.window_mean) / std",
-        "            r = torch.ones_like(var_b)\n            d = torch.zeros_like(mean_b)",
-        "tests/test_norm.py::test_the_gradient_goes_through_the_micro_batchs_statistics_as_batch_renormalization"
-        "[from-the-input]",
-    ),
-    (
-        "norm.py: every micro-batch of a window given r and d of the window's first images (the pass's cursor stuck)",
-        "yoloaccum/norm.py",
-        "        first, self._next = self._next, self._next + images",
-        "        first, self._next = 0, images",
-        "tests/test_norm.py::test_the_engine_gives_every_layer_the_r_and_d_of_its_micro_batchs_own_input",
-    ),
-    (
-        "norm.py: each image's moments in the pass divided by its rows, not its pixels (r and d of a micro-batch wrong)",
-        "yoloaccum/norm.py",
-        "            per_value = 1.0 / (x.shape[2] * x.shape[3])",
-        "            per_value = 1.0 / x.shape[2]",
         "tests/test_norm.py::test_a_window_of_one_micro_batch_is_batchnorm_gradient_included",
-    ),
-    (
-        "engine.py: bn=window's micro-steps run without their r and d from the pass (next_micro_batch not called)",
-        "yoloaccum/engine.py",
-        '            self.window_statistics.next_micro_batch(batch["img"].shape[0])',
-        "            pass",
-        "tests/test_norm.py::test_the_engine_gives_every_layer_the_r_and_d_of_its_micro_batchs_own_input",
     ),
     (
         "engine.py: bn=window's statistics pass runs at the epoch's first window only (later windows use stale statistics)",

@@ -17,15 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from yoloaccum import backoff, distributed, norm, optim
+from yoloaccum import backoff, distributed, optim
 from yoloaccum.batches import model_input, split_batch
 from yoloaccum.buffers import Kept
 from yoloaccum.distributed import Context
 from yoloaccum.schedule import Schedule
 from yoloaccum.window import EpochResult, StepRecord, WindowCounts, one_by_one, windows_ahead
 
-# With AMP, an overflowed window counts towards nan_patience only once the scaler's scale is below this: above it,
-# an overflow is GradScaler finding its scale (from 2**16), not a divergence; NaN for ever gets here in 17 halvings.
+# With AMP, a window whose gradients overflowed counts towards nan_patience only once the scaler has halved its scale
+# below this: until then they overflowed because they were scaled up, which is GradScaler finding its scale (it starts
+# at 2**16), not a divergence. A run whose gradients are NaN for ever gets there after 17 halvings.
 AMP_SCALE_FLOOR = 1.0
 
 # Called after every micro-batch: (i, loss items, images, window fill, window size, lr).
@@ -63,10 +64,11 @@ class Engine:
     ni: int = -1  # the iteration in progress: where a rank that waits in vain for the others was
     split: int = 1  # micro-steps per loader batch: doubles at each out-of-memory back-off (_back_off)
     back_offs: list[int] = field(default_factory=list)  # iterations that ran out of memory
-    # The open window's loader batches, run again after an out-of-memory error; None when it was reopened from
-    window_batches: list[dict[str, Any]] | None = field(default_factory=list)  # last.pt (remainder=carry)
+    # The open window's loader batches, kept until its step: after an out-of-memory error the window runs again.
+    # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
+    window_batches: list[dict[str, Any]] | None = field(default_factory=list)
     after_back_off: Callable[[], None] | None = None  # called once a back-off has halved the micro-batch
-    window_statistics: norm.WindowStatistics | None = None  # bn=window's pass, if any
+    window_statistics: Callable[[list[dict[str, Any]]], None] | None = None  # bn=window's pass (norm.py), if any
     window_ahead: list[dict[str, Any]] = field(default_factory=list)  # the batches the last statistics pass saw
 
     def __post_init__(self):
@@ -193,8 +195,6 @@ class Engine:
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
         batch["img"] = model_input(batch["img"], self.ctx.device)
-        if self.window_statistics is not None:  # bn=window: r and d of these images, from the window's pass
-            self.window_statistics.next_micro_batch(batch["img"].shape[0])
         with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp):
             preds = self.model(batch["img"])
             loss, items, counts = self.loss(preds, batch)
@@ -228,10 +228,10 @@ class Engine:
         self.loss.normalise_gradients(c.normaliser, self.ctx.world_size)
         self.scaler.unscale_(self.optimizer)
         # foreach: on the CPU torch would otherwise take each gradient's norm and scale it one by one; same values
-        gnorm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad, foreach=True)
-        images, bad_losses, stop_votes, gnorm = torch.cat([c.images, c.non_finite_losses, c.stop_votes,
-                                                           gnorm.float().reshape(1)]).tolist()  # sync  # fmt: skip
-        finite = bad_losses == 0 and math.isfinite(gnorm)
+        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad, foreach=True)
+        images, bad_losses, stop_votes, norm = torch.cat([c.images, c.non_finite_losses, c.stop_votes,
+                                                          norm.float().reshape(1)]).tolist()  # sync  # fmt: skip
+        finite = bad_losses == 0 and math.isfinite(norm)
         optim.set_hyperparameters(self.optimizer, self.schedule, ni)  # also for a skipped step: schedule.csv logs it
         if finite:
             self.scaler.step(self.optimizer)  # the gradients are finite, so it steps

@@ -12,17 +12,9 @@ each micro-batch's forward is exactly that of the window as one batch.
 What a micro-batch cannot have is the gradient through the statistics of images it does not hold. Its gradient is
 Batch Renormalization's (Ioffe 2017): y = gamma * (xhat_B * r + d) + beta with r = sigma_B / sigma and
 d = (mu_B - mu) / sigma taken as constants, so the forward is the window's normalisation and the backward goes
-through the micro-batch's own statistics, scaled by gamma / sigma (r / sigma_B = 1 / sigma). Measured inside a real
-batch of 64 (benchmarks/bn_ghost.py) this recovers what per-micro-batch statistics lose, where the earlier
-bn=window, a queue of past micro-batches' statistics one optimizer step old, did not (docs/batchnorm.md).
-
-r and d are not clipped, as Batch Renormalization clips them against moving averages that may be stale: here the
-reference is the window's own statistics, of which the micro-batch is a part, so r and |d| stay below
-sqrt(window images / micro-batch images) by themselves (unless bn_window leaves the micro-batch out), and a clip
-would only make the forward differ from the window's normalisation (at micro-batch 2 on BCCD, its lower bound
-r >= 1/3 changed about a fifth of the channels at each step: docs/batchnorm.md). Unclipped, each image's moments in
-the pass are exactly those its micro-step's forward sees, so every layer's r and d for a micro-batch come from the
-pass, for all layers at once (WindowStatistics.next_micro_batch).
+through the micro-batch's own statistics; r and d are clipped (R_MAX, D_MAX). Measured inside a real batch of 64
+(benchmarks/bn_ghost.py) this recovers what per-micro-batch statistics lose, where the earlier bn=window, a queue
+of past micro-batches' statistics one optimizer step old, did not (docs/batchnorm.md).
 
 The pass costs one forward pass (no backward) over the window's images, in chunks of up to `chunk` images (all of
 them by default), halved when the device runs out of memory; bn_window can cap the images it passes. It also
@@ -34,7 +26,6 @@ its own images.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -44,6 +35,8 @@ from torch import nn
 from yoloaccum import backoff
 from yoloaccum.batches import model_input
 from yoloaccum.errors import UserError
+
+R_MAX, D_MAX = 3.0, 5.0  # Batch Renormalization's final clipping values
 
 
 class WindowBatchNorm2d(nn.BatchNorm2d):
@@ -60,14 +53,8 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         device = self.running_mean.device
         self.register_buffer("window_mean", torch.zeros(num_features, device=device), persistent=False)
         self.register_buffer("window_var", torch.ones(num_features, device=device), persistent=False)
-        # r and d of the next micro-batch, when its statistics pass gave them (WindowStatistics.next_micro_batch sets
-        # them, as views of one tensor for all layers); otherwise each forward takes them from its input
-        self.step_r: torch.Tensor | None = None
-        self.step_d: torch.Tensor | None = None
         self._sums: torch.Tensor | None = None  # during a pass: count, sum and sum of squares per channel (float64)
         self._chunk_mean = self._chunk_var = None  # during a pass: scratch for batch_norm's statistics of a chunk
-        self._per_image: list[torch.Tensor] = []  # during a pass: each image's mean and mean square per channel
-        self.per_image: torch.Tensor | None = None  # after a pass: those of the window's images, (images, 2, C)
 
     @classmethod
     def from_batchnorm(cls, bn: nn.BatchNorm2d) -> WindowBatchNorm2d:
@@ -85,27 +72,19 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         if self._sums is not None:
             return self._collect(x)
-        if self.step_r is not None:  # from the pass (an exact one): no per-layer work before the normalisation
-            r, d = self.step_r, self.step_d
-        else:
-            r, d = self._renormalisation(x)
-        # gamma * (xhat_B * r + d) + beta is BatchNorm over the micro-batch with weight gamma * r and bias
-        # beta + gamma * d: its forward the window's normalisation, its backward BatchNorm's
-        weight = self.weight * r if self.affine else r
-        bias = torch.addcmul(self.bias, self.weight, d) if self.affine else d
-        return F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
-
-    def _renormalisation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """r and d of the micro-batch x against the window's statistics, from x itself."""
         with torch.no_grad():  # the micro-batch's statistics against the window's, in float32
             xf = x if x.dtype == torch.float32 else x.float()
             values = x.numel() // x.shape[1]
             mean_b = xf.sum((0, 2, 3)) / values  # sums: torch.var_mean is several times slower on the CPU
             var_b = ((xf * xf).sum((0, 2, 3)) / values - mean_b * mean_b).clamp_(min=0)
             std = (self.window_var + self.eps).sqrt()
-            r = (var_b + self.eps).sqrt() / std
-            d = (mean_b - self.window_mean) / std
-        return r, d
+            r = ((var_b + self.eps).sqrt() / std).clamp_(1 / R_MAX, R_MAX)
+            d = ((mean_b - self.window_mean) / std).clamp_(-D_MAX, D_MAX)
+        # gamma * (xhat_B * r + d) + beta is BatchNorm over the micro-batch with weight gamma * r and bias
+        # beta + gamma * d: its forward the window's normalisation (unless r or d was clipped), its backward BatchNorm's
+        weight = self.weight * r if self.affine else r
+        bias = torch.addcmul(self.bias, self.weight, d) if self.affine else d
+        return F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
 
     def _collect(self, x: torch.Tensor) -> torch.Tensor:
         """In a statistics pass: normalise the chunk with its own statistics (those of the whole window when the pass
@@ -115,25 +94,17 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         mean = self._chunk_mean.double()
         var = self._chunk_var.double() * ((count - 1) / count if count > 1 else 0.0)  # batch_norm keeps it unbiased
         self._sums += torch.stack([torch.full_like(mean, count), mean * count, (var + mean * mean) * count])
-        if self._per_image is not None:
-            xf = x if x.dtype == torch.float32 else x.float()
-            per_value = 1.0 / (x.shape[2] * x.shape[3])
-            self._per_image.append(torch.stack([xf.sum((2, 3)), (xf * xf).sum((2, 3))], 1).mul_(per_value))
         return y
 
-    def _start(self, per_image: bool) -> None:
+    def _start(self) -> None:
         self._sums = torch.zeros(3, self.num_features, dtype=torch.float64, device=self.running_mean.device)
-        self._per_image = [] if per_image else None
-        self.per_image = None
         self._chunk_mean, self._chunk_var = torch.zeros_like(self.running_mean), torch.ones_like(self.running_var)
 
     def _finish(self) -> None:
         """The window's mean and (biased) variance from the pass's moments; the running statistics updated once, as
         BatchNorm's step over one batch of the window would update them."""
         count, total, total_sq = self._sums
-        if self._per_image:
-            self.per_image = torch.cat(self._per_image)
-        self._sums = self._chunk_mean = self._chunk_var = self._per_image = None
+        self._sums = self._chunk_mean = self._chunk_var = None
         if count[0] < 1:  # no image reached this layer
             return
         mean = total / count
@@ -164,38 +135,6 @@ class WindowStatistics:
         self.images = images
         self.chunk = chunk
         self.amp, self.amp_dtype = amp, amp_dtype  # as the micro-steps run: the statistics of the same activations
-        # After a pass over all of a window's images at once (the default), each image's moments at every layer are
-        # those its micro-step's forward will see (the weights do not change inside a window), so every layer's r and
-        # d of a micro-batch come from them, for all layers at once (next_micro_batch), not from each layer's input.
-        device = self.layers[0].running_mean.device
-        sizes = [m.num_features for m in self.layers]
-        self._step = torch.zeros(2, sum(sizes), device=device)  # r and d of every layer, for the next micro-batch
-        self._step[0] = 1
-        ends = list(itertools.accumulate(sizes))
-        self._views = [(self._step[0, e - n : e], self._step[1, e - n : e]) for n, e in zip(sizes, ends)]
-        self._eps = torch.cat([torch.full((m.num_features,), m.eps, device=device) for m in self.layers])
-        self._per_image: torch.Tensor | None = None  # each image's mean and mean square at every layer's channels
-        self._mean = self._invstd = torch.zeros_like(self._eps)  # the window's at every layer's channels (a pass's)
-        self._next = 0  # the first image of the next micro-batch
-        self._attach(images == 0 and chunk == 0)  # before the first pass: compile=True's graphs are those it runs
-
-    def _attach(self, exact: bool) -> None:
-        for layer, (r, d) in zip(self.layers, self._views):
-            layer.step_r, layer.step_d = (r, d) if exact else (None, None)
-
-    @torch.no_grad()
-    def next_micro_batch(self, images: int) -> None:
-        """Give every layer r and d of the window's next `images` images, the micro-batch whose forward follows
-        (the Engine calls this before each micro-step). After a pass that was not exact (over a capped number of
-        images, or in chunks) it does nothing: each layer takes them from its input."""
-        if self._per_image is None:
-            return
-        first, self._next = self._next, self._next + images
-        assert self._next <= len(self._per_image), "a micro-step past the images of the window's statistics pass"
-        mean, square = self._per_image[first : self._next].mean(0)  # the images' per-channel means: equal counts
-        var = torch.addcmul(square, mean, mean, value=-1).clamp_(min=0)
-        torch.mul(var.add_(self._eps).sqrt_(), self._invstd, out=self._step[0])
-        torch.mul(mean.sub_(self._mean), self._invstd, out=self._step[1])
 
     @torch.no_grad()
     def __call__(self, batches: list[dict[str, Any]]) -> None:
@@ -203,13 +142,13 @@ class WindowStatistics:
         micro-steps may already have made the model's input: a back-off runs the pass again)."""
         device = self.layers[0].running_mean.device
         imgs = torch.cat([model_input(b["img"], device) for b in batches])
-        whole = not self.images or self.images >= len(imgs)
-        imgs = imgs if whole else imgs[: self.images]
+        if self.images:
+            imgs = imgs[: self.images]
         while True:
             try:  # eager: compile=True compiled the training forward, and the pass is not worth its own graphs
                 with torch.compiler.set_stance("force_eager"), torch.autocast(device.type, dtype=self.amp_dtype,
                                                                               enabled=self.amp):  # fmt: skip
-                    self._pass(imgs, whole)
+                    self._pass(imgs)
                 return
             except RuntimeError as e:
                 if not backoff.is_out_of_memory(e) or self._chunk(len(imgs)) == 1:
@@ -220,10 +159,9 @@ class WindowStatistics:
     def _chunk(self, n: int) -> int:
         return min(self.chunk or n, n)
 
-    def _pass(self, imgs: torch.Tensor, whole: bool) -> None:
-        exact = whole and self._chunk(len(imgs)) == len(imgs)  # what each micro-step will see, image by image
+    def _pass(self, imgs: torch.Tensor) -> None:
         for layer in self.layers:
-            layer._start(per_image=exact)
+            layer._start()
         try:
             for part in imgs.split(self._chunk(len(imgs))):
                 self.model(part)
@@ -233,16 +171,6 @@ class WindowStatistics:
             raise
         for layer in self.layers:
             layer._finish()
-        per_image = [layer.per_image for layer in self.layers]
-        exact = exact and all(p is not None for p in per_image)  # not when some layer saw no image
-        self._per_image = torch.cat(per_image, 2) if exact else None
-        for layer in self.layers:
-            layer.per_image = None
-        if exact:
-            self._mean = torch.cat([layer.window_mean for layer in self.layers])
-            self._invstd = torch.cat([layer.window_var for layer in self.layers]).add_(self._eps).rsqrt_()
-        self._next = 0
-        self._attach(exact)
 
 
 def convert(model: nn.Module) -> int:
