@@ -22,8 +22,9 @@ train: install
 	$(BIN)/yoloaccum train data=datasets/shapes.yaml model=yolo26n.yaml imgsz=160 batch=8 nbs=64 epochs=35 \
 		workers=2 warmup_epochs=1 close_mosaic=5 project=runs/train name=shapes
 
-# A pytest-xdist worker per core, each test file on one worker (its module fixtures are made once), one thread each.
-XDIST := -n auto --dist loadfile
+# A pytest-xdist worker per core, each test file on one worker (its module fixtures are made once), one thread each;
+# the longest files first (tests/conftest.py: LONGEST_FIRST), not xdist's order by number of tests.
+XDIST := -n auto --dist loadfile --no-loadscope-reorder
 
 # The gate: the exactness proofs (tests marked numerics) first, then everything else.
 test: numerics
