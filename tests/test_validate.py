@@ -15,7 +15,7 @@ def trained(tmp_path_factory, run_cli):
     """A model that has learned something, so that the compared metrics are not all zero."""
     dataset = shapes_yaml(tmp_path_factory.mktemp("data"), num_train=160, num_val=32, imgsz=96, seed=11)
     project = tmp_path_factory.mktemp("runs")
-    r = run_cli("train", f"data={dataset}", "model=yolo11n.yaml", "imgsz=96", "batch=8", "nbs=16", "epochs=12",
+    r = run_cli("train", f"data={dataset}", "model=yolo11n.yaml", "imgsz=96", "batch=8", "nbs=8", "epochs=6",
                 "mosaic=0", "warmup_epochs=1", "close_mosaic=0", "workers=0", "val=False", f"project={project}",
                 "name=val", timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
