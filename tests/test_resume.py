@@ -105,27 +105,27 @@ def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_pat
     checkpoint.load(tmp_path / "twice/weights/last.pt")
 
 
-def test_resume_refuses_arguments_that_change_the_schedule(uninterrupted, run_cli):
+def test_resume_refuses_arguments_that_change_the_schedule(uninterrupted, cli_in_process):
     for arg in ("batch=8", "nbs=16", "lr0=0.1", "lr_scale=sqrt"):
-        r = run_cli("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", arg)
+        r = cli_in_process("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", arg)
         assert r.returncode == 2 and "resume continues the run as planned" in r.stderr, r.stderr
         assert "only epochs= may change" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", "epochs=2")
+    r = cli_in_process("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", "epochs=2")
     assert r.returncode == 2 and "has done 2 epochs; to continue it, give epochs greater than 2" in r.stderr
 
 
-def test_resume_of_a_finished_run_without_epochs_is_a_clear_error(uninterrupted, run_cli):
-    r = run_cli("train", f"resume={uninterrupted / 'weights/last.pt'}")
+def test_resume_of_a_finished_run_without_epochs_is_a_clear_error(uninterrupted, cli_in_process):
+    r = cli_in_process("train", f"resume={uninterrupted / 'weights/last.pt'}")
     assert r.returncode == 2 and "has finished (4 epochs); to train it further, give epochs=N" in r.stderr
 
 
-def test_best_pt_is_stripped_and_resume_points_to_last_pt(uninterrupted, run_cli):
-    r = run_cli("train", f"resume={uninterrupted / 'weights/best.pt'}", "epochs=6")
+def test_best_pt_is_stripped_and_resume_points_to_last_pt(uninterrupted, cli_in_process):
+    r = cli_in_process("train", f"resume={uninterrupted / 'weights/best.pt'}", "epochs=6")
     assert r.returncode == 2 and f"resume from {uninterrupted / 'weights/last.pt'}" in r.stderr, r.stderr
 
 
 def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_one_refused(uninterrupted, tmp_path,
-                                                                                           run_cli):  # fmt: skip
+                                                                                           cli_in_process):  # fmt: skip
     path = uninterrupted / "weights/last.pt"
     ckpt = checkpoint.load(path)
     assert ckpt["yoloaccum"]["format"] == state.FORMAT
@@ -133,7 +133,7 @@ def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_o
     assert state.read({**ckpt, "yoloaccum": before_versions}, path)["format"] == state.FORMAT
     newer = tmp_path / "run/weights/last.pt"
     checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "format": state.FORMAT + 1}}, newer)
-    r = run_cli("train", f"resume={newer}", "epochs=6")
+    r = cli_in_process("train", f"resume={newer}", "epochs=6")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"holds a training state of format {state.FORMAT + 1}, newer than this yoloaccum reads" in r.stderr
 
@@ -185,9 +185,12 @@ def test_resume_true_picks_the_newest_run(uninterrupted, tmp_path, run_cli):
     for run in (older, newer):
         shutil.copy(run / "weights/epoch2.pt", run / "weights/last.pt")
     os.utime(older / "weights/last.pt", (time.time() - 100, time.time() - 100))
-    r = run_cli("train", "resume=True", f"project={project}", timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    # Stopped in its first window (epoch 3 of 4, 6 iterations an epoch, 2 per window): which run it took is all this
+    # asks, and that its stop was saved there.
+    r = run_cli("train", "resume=True", f"project={project}", env={"YOLOACCUM_FAULT": "sigint@12"}, timeout=600)
+    assert r.returncode == 130, r.stderr[-2000:]
     assert f"resuming {newer}" in r.stdout.replace("\n", "")
+    assert checkpoint.load(newer / "weights/last.pt")["yoloaccum"]["position"] == {"epoch": 2, "batch": 2}
 
 
 def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
