@@ -2,12 +2,13 @@
 with the network beyond this machine blocked (tests/offline/sitecustomize.py); `cli_in_process` runs it in the test's
 own process, for error paths; `shapes_yaml` makes small sets."""
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -93,13 +94,7 @@ def cli_in_process(monkeypatch, capsys) -> Callable[..., subprocess.CompletedPro
     end before anything trains, without a fresh interpreter's 3 to 4 s of imports each. The global settings a run
     makes on its way (deterministic kernels, the environment) are put back; a traceback raises here as it would exit
     there. Each exit code also keeps a test through a real subprocess."""
-    import torch
-
     from yoloaccum import cli
-
-    flags = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    fill, cudnn = torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic
-    environ = dict(os.environ)
 
     def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         monkeypatch.chdir(REPO)
@@ -117,11 +112,26 @@ def cli_in_process(monkeypatch, capsys) -> Callable[..., subprocess.CompletedPro
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, out, err)
 
-    yield run
-    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-    torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic = fill, cudnn
-    os.environ.clear()
-    os.environ.update(environ)
+    with global_settings_kept():
+        yield run
+
+
+@contextlib.contextmanager
+def global_settings_kept() -> Iterator[None]:
+    """Put back, on the way out, the process-wide settings a run makes (runs.seed_everything: deterministic kernels,
+    the fill of new memory, cuDNN's mode) and the environment, for what runs a run's code in the test's process."""
+    import torch
+
+    flags = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill, cudnn = torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic = fill, cudnn
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def shapes_yaml(folder: Path, num_train: int, num_val: int, imgsz: int = 64, seed: int = 3) -> Path:
