@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=N tests/ddp_window.py OUT.pt BATCH NBS [OPTIONS]
 
+With one rank there is no process group to join: test_distributed.window() calls main() in the test's own process.
+
 16 synthetic images (tests/test_equivalence.py's batches) form one window of global micro-batches of BATCH images;
 each rank takes its contiguous slice of each, as yoloaccum's sampler does. Rank 0 saves the gradient seen by the
 optimizer, the weights after the step, and which micro-steps all-reduced gradients (counted by a DDP comm hook).
@@ -84,7 +86,11 @@ def rank_batches(images: dict, micro: int, ctx: distributed.Context):
         }
 
 
+def options(given: list[str] | tuple[str, ...]) -> tuple[bool, bool, int]:
+    """main's sync_all, bn_window and as_ranks from the options as the command line names them."""
+    as_ranks = next((int(o.split("=")[1]) for o in given if o.startswith("as-ranks=")), 0)
+    return "sync-all" in given, "bn-window" in given, as_ranks
+
+
 if __name__ == "__main__":
-    options = sys.argv[4:]
-    as_ranks = next((int(o.split("=")[1]) for o in options if o.startswith("as-ranks=")), 0)
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "sync-all" in options, "bn-window" in options, as_ranks)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *options(sys.argv[4:]))

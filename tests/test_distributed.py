@@ -26,9 +26,16 @@ def torchrun(nproc: int, *args: object, env: dict | None = None, timeout: float 
 
 
 def window(tmp_path: Path, nproc: int, batch: int, *extra: str) -> dict:
+    """tests/ddp_window.py's window on nproc ranks under torchrun; on one, in this process (no process group to
+    join, so no launcher and no fresh interpreter's imports)."""
     out = tmp_path / f"window_{nproc}_{batch}_{'_'.join(extra)}.pt"
-    r = torchrun(nproc, REPO / "tests/ddp_window.py", out, batch, 16, *extra)
-    assert r.returncode == 0, r.stderr[-3000:]
+    if nproc == 1:
+        import ddp_window
+
+        ddp_window.main(str(out), batch, 16, *ddp_window.options(extra))
+    else:
+        r = torchrun(nproc, REPO / "tests/ddp_window.py", out, batch, 16, *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out)
 
 
@@ -37,19 +44,23 @@ def single(tmp_path_factory) -> dict:
     return window(tmp_path_factory.mktemp("single"), 1, 16)  # one process, one micro-batch of 16
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    return window(tmp_path_factory.mktemp("two_ranks"), 2, 4)  # 2 ranks x micro-batch 2 x accumulate 4
+
+
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, tmp_path):
-    ddp = window(tmp_path, 2, 4)  # 2 ranks x micro-batch 2 x accumulate 4
+def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch(single, two_ranks):
     # float32 sums over 16 images in another order: ~5e-6 also without DDP (1 process, 8 micro-batches of 2).
-    assert relative_difference(ddp["grad"], single["grad"]) <= 1e-5
-    assert relative_difference(ddp["weights"], single["weights"]) <= 1e-5
+    assert relative_difference(two_ranks["grad"], single["grad"]) <= 1e-5
+    assert relative_difference(two_ranks["weights"], single["weights"]) <= 1e-5
 
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_gradients_all_reduce_once_per_window(tmp_path):
-    with_no_sync, without = window(tmp_path, 2, 4), window(tmp_path, 2, 4, "sync-all")
+def test_gradients_all_reduce_once_per_window(two_ranks, tmp_path):
+    with_no_sync, without = two_ranks, window(tmp_path, 2, 4, "sync-all")
     # The comm hook runs once per gradient bucket; what counts is how many backward passes communicated.
     assert with_no_sync["steps"] == 1
     assert sorted(set(with_no_sync["communicated"])) == [4]  # only the window's last micro-batch
