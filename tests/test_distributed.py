@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
+from conftest import PLUMBING, REPO, SERIAL, TINY_MODEL, final_weights, offline_env, relative_difference, shapes_yaml
 
 from yoloaccum.errors import UserError
 
@@ -110,7 +110,9 @@ def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run
 @pytest.mark.slow
 def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path, run_cli):
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
-    args = ("train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0", f"project={tmp_path}")
+    # plots on: they are outputs too
+    args = ("train", f"data={data}", f"model={TINY_MODEL}", "imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0",
+            f"project={tmp_path}")  # fmt: skip
     r = torchrun(2, "-m", "yoloaccum", *args, "name=ddp")
     assert r.returncode == 0, r.stderr[-3000:]
     assert run_cli(*args, "name=single", timeout=600).returncode == 0
@@ -129,8 +131,8 @@ def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_pa
     """Every rank restores its own random states and mosaic buffer: 2 ranks, mosaic on, stopped mid-epoch by a SIGINT
     that reaches rank 1 only, resume bitwise equal to the uninterrupted run. On 1 process it resumes, and says so."""
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
-    args = ("-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0",
-            "warmup_epochs=1", "close_mosaic=0", "val=False", "plots=False", f"project={tmp_path}")  # fmt: skip
+    args = ("-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
+            "workers=0", "warmup_epochs=1", "close_mosaic=0", "val=False", f"project={tmp_path}")  # fmt: skip
     full = torchrun(2, *args, "name=full", env=SERIAL)
     assert full.returncode == 0, full.stderr[-3000:]
     r = torchrun(2, *args, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8:1"})
@@ -167,8 +169,9 @@ def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
     from yoloaccum import checkpoint
 
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
-    cmd = [*TORCHRUN, "--nproc_per_node=2", "-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8",
-           "epochs=2", "workers=0", "ddp_timeout=10", "plots=False", f"project={tmp_path}", "name=hang"]  # fmt: skip
+    cmd = [*TORCHRUN, "--nproc_per_node=2", "-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64",
+           "batch=4", "nbs=8", "epochs=2", "workers=0", "ddp_timeout=10", f"project={tmp_path}",
+           "name=hang"]  # fmt: skip
     start, lines = time.monotonic(), []
     job = subprocess.Popen(cmd, cwd=REPO, env=offline_env({"YOLOACCUM_FAULT": "hang@8:1"}), stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
@@ -195,7 +198,7 @@ def test_a_failing_rank_ends_the_job(kind, tmp_path):
     """Rank 1 fails in the second epoch: the job exits non-zero promptly, and epoch 1's last.pt still loads."""
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
     start = time.monotonic()
-    r = torchrun(2, "-m", "yoloaccum", "train", f"data={data}", "imgsz=64", "batch=4", "nbs=8", "epochs=2",
+    r = torchrun(2, "-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
                  "workers=0", f"project={tmp_path}", "name=fail", env={"YOLOACCUM_FAULT": f"{kind}@8:1"},
                  timeout=300)  # fmt: skip
     assert r.returncode != 0

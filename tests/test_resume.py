@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
+from conftest import PLUMBING, REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
 from yoloaccum import checkpoint, config, faults, resume, state
 from yoloaccum.errors import UserError
 
-RUN = ("imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1", "log_every=1")
+RUN = (*PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1",
+       "log_every=1")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
