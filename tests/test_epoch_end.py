@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 
 import pytest
-from conftest import shapes_yaml
+from conftest import PLUMBING, shapes_yaml
 
 from yoloaccum import checkpoint, config, epoch_end
 from yoloaccum.tensorboard import TensorBoard
@@ -111,8 +111,8 @@ def test_a_stop_inside_an_epoch_logs_its_steps_and_the_resumed_run_logs_on(tmp_p
     from conftest import offline_env
 
     data = shapes_yaml(tmp_path, num_train=16, num_val=4)
-    args = ("train", f"data={data}", "model=yolo26n.yaml", "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0",
-            "plots=False", "precise_bn=0", "warmup_epochs=0", "tensorboard=True", f"project={tmp_path}",
+    args = ("train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0",
+            "precise_bn=0", "warmup_epochs=0", "tensorboard=True", f"project={tmp_path}",
             "name=run")  # fmt: skip
     stopped = run_cli(*args, env=offline_env({"YOLOACCUM_FAULT": "sigint@5"}), timeout=600)
     assert stopped.returncode != 0 and "resume with" in stopped.stderr, stopped.stderr[-2000:]

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import SERIAL, final_weights, relative_difference, shapes_yaml
+from conftest import PLUMBING, SERIAL, final_weights, relative_difference, shapes_yaml
 from test_engine import make_engine
 from torch import nn
 
@@ -312,8 +312,8 @@ def test_compiled_bn_window_equals_eager(tmp_path):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-RUN = ("model=yolo26n.yaml", "imgsz=64", "batch=2", "nbs=8", "epochs=2", "workers=0", "warmup_epochs=1",
-       "close_mosaic=0", "bn=window", "plots=False", "exist_ok=True")  # fmt: skip
+RUN = (*PLUMBING, "imgsz=64", "batch=2", "nbs=8", "epochs=2", "workers=0", "warmup_epochs=1", "close_mosaic=0",
+       "bn=window", "exist_ok=True")  # fmt: skip
 
 
 @pytest.mark.numerics

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import shapes_yaml
+from conftest import PLUMBING, shapes_yaml
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
 
@@ -130,7 +130,7 @@ def test_save_false_and_val_false(smoke_data, tmp_path, run_cli):
     """No weights and no claim of any; no table of zeros for the epochs not validated; results.csv's time is
     cumulative, as Ultralytics writes it."""
     r = run_cli("train", f"data={smoke_data}", "epochs=2", f"project={tmp_path}", "name=nosave", "save=False",
-                "val=False", *SMOKE, timeout=600)  # fmt: skip
+                "val=False", *SMOKE, *PLUMBING, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert not list((tmp_path / "nosave/weights").iterdir())
     assert "best.pt" not in r.stdout and r.stdout.strip().splitlines()[-1].startswith("no weights saved (save=False)")
