@@ -42,7 +42,7 @@ from common import (  # noqa: E402
 )
 
 median = statistics.median
-TINY_MODEL = HERE.parent / "tests/models/tiny26.yaml"  # compiles in seconds: for --smoke
+TINY_MODEL = HERE.parent / "tests/models/tiny26.yaml"  # --smoke's model: trains and compiles in seconds
 
 
 def command(function: str, *args, module: str = "common") -> list[str]:
@@ -230,7 +230,7 @@ def main() -> None:
         print(json.dumps(h, indent=1), "\n".join(compile_markdown(h)), sep="\n")
         return
     imgsz, micro = 64 if smoke else 160, TRAIN_ARGS["batch"]
-    models = ("yolo26n.yaml",) if smoke else ("yolo26n.yaml", "yolo11n.yaml")
+    models = (str(TINY_MODEL),) if smoke else ("yolo26n.yaml", "yolo11n.yaml")
     data = str(shapes_data(tempfile.mkdtemp() if smoke else None, smoke))
     repeats = 1 if smoke else args.repeats
     report = {
@@ -252,8 +252,8 @@ def main() -> None:
     report["grad_checkpointing"] = grad_checkpointing(models[0], imgsz, 8 if smoke else 32, 2 if smoke else 8)
     report["accumulation"] = accumulation_overhead(models[0], imgsz, micro, pairs=2 if smoke else 12)
     report["data_pipeline_img_s"] = data_pipeline(data, imgsz, micro, 4 if smoke else 64)
-    if smoke:  # the tiny model of tests/test_compile.py on its shapes (8 and 4), whose compiled graphs it shares
-        report["compile"] = compiled_against_eager(str(TINY_MODEL), data, imgsz, 2, 0.92, 1, ("eager", "static"),
+    if smoke:  # on tests/test_compile.py's shapes (8 and 4), whose compiled graphs it shares
+        report["compile"] = compiled_against_eager(models[0], data, imgsz, 2, 0.92, 1, ("eager", "static"),
                                                    cold=False)  # fmt: skip
     else:  # a cold compile of yolo26n takes minutes on two cores: one repeat
         report["compile"] = compiled_against_eager(models[0], data, imgsz, 2, 0.99, 1)
