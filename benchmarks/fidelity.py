@@ -71,7 +71,14 @@ FULL = {"images": 256, "val_images": 64, "imgsz": 160, "epochs": 30}
 BCCD = {"dataset": "bccd", "imgsz": 256, "epochs": 60}
 BCCD_YAML = HERE.parents[1] / "shared/datasets/bccd.yaml"
 PRECISE_IMAGES = 256  # at most this many images: the default before precise_bn=auto, kept so the records compare
-SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1}
+# The smoke checks that the benchmark runs, not what a model learns: tests/models/tiny26.yaml instead of yolo26n.
+SMOKE = {
+    "images": 16,
+    "val_images": 8,
+    "imgsz": 64,
+    "epochs": 1,
+    "model": str(HERE.parent / "tests/models/tiny26.yaml"),
+}
 RECIPE = {"model": "yolo26n.yaml", "nbs": 64, "warmup_epochs": 1, "close_mosaic": 5, "workers": 0}
 METRICS = ("metrics/mAP50(B)", "metrics/mAP50-95(B)")
 # Two-sided 95% quantiles of Student's t for 1 to 10 degrees of freedom (a paired interval over 2 to 11 seeds).
@@ -81,8 +88,8 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, folder: str) -> dict:
     """In a fresh process: one training run, then its last.pt validated with and without precise BatchNorm."""
     data = dataset(size, folder)
-    args = {**RECIPE, **settings, "data": str(data), "imgsz": size["imgsz"], "epochs": size["epochs"], "seed": seed,
-            "plots": False}  # fmt: skip
+    args = {**RECIPE, **settings, "model": size.get("model", RECIPE["model"]), "data": str(data),
+            "imgsz": size["imgsz"], "epochs": size["epochs"], "seed": seed, "plots": False}  # fmt: skip
     start = time.perf_counter()
     if trainer == "yoloaccum":
         from yoloaccum import trainer as trainer_
@@ -212,8 +219,8 @@ def report(summary: dict, size: dict, seeds: list[int], minutes: float, flags: s
     lines = [
         f"# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py{flags}`)",
         "",
-        f"{data}, "
-        f"yolo26n, {size['epochs']} epochs, nbs 64, warmup 1, close_mosaic 5, seeds {', '.join(map(str, seeds))}. "
+        f"{data}, {Path(size.get('model', RECIPE['model'])).stem}, {size['epochs']} epochs, nbs 64, warmup 1, "
+        f"close_mosaic 5, seeds {', '.join(map(str, seeds))}. "
         f"raw: the EMA's BatchNorm statistics as trained; precise: recomputed over all training images, drawn as "
         f"precise_bn draws them by default (at most {PRECISE_IMAGES}, the recipe's augmentation, mosaic included). "
         f"Paired difference: against {REFERENCE} (a real batch of 64) with the same seed and variant, 95% t interval. "
@@ -296,7 +303,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     store = a.out / "fidelity.json"
     saved = json.loads(store.read_text()) if store.exists() else {}
-    key = json.dumps({**size, **RECIPE}, sort_keys=True)  # runs of other settings are kept apart, never mixed
+    key = json.dumps({**RECIPE, **size}, sort_keys=True)  # runs of other settings are kept apart, never mixed
     runs = saved.setdefault(key, {})
     work = Path(tempfile.mkdtemp(prefix="fidelity-"))
     if a.revalidate:
