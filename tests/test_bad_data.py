@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 import pytest
 import yaml
+from conftest import PLUMBING
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
 from yoloaccum import config, data, shapes
@@ -44,7 +45,7 @@ REASONS = {
     "duplicate boxes removed (image kept)": 1,
     "corrupt JPEG restored (image kept)": 1,
 }
-TRAIN = ("imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0", "plots=False")
+TRAIN = (*PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0")
 
 
 def write_yaml(folder: Path, root: Path, name: str = "bad.yaml") -> Path:
