@@ -399,4 +399,10 @@ def main(only: set[int]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main({int(a) for a in sys.argv[1:]}))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "numbers", nargs="*", type=int, help=f"which mutations (0 to {len(MUTATIONS) - 1}); all if none"
+    )
+    sys.exit(main(set(parser.parse_args().numbers)))
