@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -32,7 +33,10 @@ def window(tmp_path: Path, nproc: int, batch: int, *extra: str) -> dict:
     if nproc == 1:
         import ddp_window
 
-        ddp_window.main(str(out), batch, 16, *ddp_window.options(extra))
+        with mock.patch.dict(os.environ):  # one process whatever launched pytest: no torchrun variables
+            for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+                os.environ.pop(key, None)
+            ddp_window.main(str(out), batch, 16, *ddp_window.options(extra))
     else:
         r = torchrun(nproc, REPO / "tests/ddp_window.py", out, batch, 16, *extra)
         assert r.returncode == 0, r.stderr[-3000:]
