@@ -1,7 +1,7 @@
 """What bn=window costs: the engine's images/s against bn=batch, side by side in one process.
 
     python benchmarks/bn_window.py            # yolo26n at 160 px, micro-batches of 2 and 8, nbs 64
-    python benchmarks/bn_window.py --smoke    # a few windows at 64 px, for the test suite
+    python benchmarks/bn_window.py --smoke    # a few windows at 64 px on tests/models/tiny26.yaml, for the test suite
 
 Each engine trains the same in-memory batches through Engine.train_epoch, whole windows and their steps, bn=window's
 statistics pass included: bn=batch, bn=window (the pass over all the window's images) and bn=window with
@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 MODES = {"batch": None, "window": 0, "window, bn_window=16": 16}  # bn=window: images its pass takes (0: all)
 
 
-def measure(micro: int, imgsz: int, windows: int, repeats: int) -> dict:
+def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yolo26n.yaml") -> dict:
     from common import engine_for, make_batches, on_device, synchronize
 
     from yoloaccum import norm
@@ -30,7 +30,7 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int) -> dict:
     per_window = max(1, nbs // micro)
     engines = {}
     for mode, images in MODES.items():
-        e = engine_for("yolo26n.yaml", imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows)
+        e = engine_for(model, imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows)
         if images is not None:
             norm.convert(e.raw_model)
             e.window_statistics = norm.WindowStatistics(e.raw_model, images, amp=e.amp)
@@ -56,7 +56,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
-        rows = [measure(8, 64, windows=1, repeats=1)]  # one window of each mode: it runs, and gives figures
+        # one window of each mode on the tests' tiny model: it runs, and gives figures
+        rows = [measure(8, 64, windows=1, repeats=1, model=str(HERE.parent / "tests/models/tiny26.yaml"))]
     else:
         rows = [measure(micro, 160, windows=1, repeats=5) for micro in (2, 8)]
     for r in rows:
