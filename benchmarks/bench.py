@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     CUDA,
     DEVICE,
     SHAPES_YAML,
+    TINY_MODEL,
     TRAIN_ARGS,
     engine_for,
     make_batches,
@@ -42,7 +43,6 @@ from common import (  # noqa: E402
 )
 
 median = statistics.median
-TINY_MODEL = HERE.parent / "tests/models/tiny26.yaml"  # --smoke's model: trains and compiles in seconds
 
 
 def command(function: str, *args, module: str = "common") -> list[str]:
@@ -230,7 +230,7 @@ def main() -> None:
         print(json.dumps(h, indent=1), "\n".join(compile_markdown(h)), sep="\n")
         return
     imgsz, micro = 64 if smoke else 160, TRAIN_ARGS["batch"]
-    models = (str(TINY_MODEL),) if smoke else ("yolo26n.yaml", "yolo11n.yaml")
+    models = (TINY_MODEL,) if smoke else ("yolo26n.yaml", "yolo11n.yaml")
     data = str(shapes_data(tempfile.mkdtemp() if smoke else None, smoke))
     repeats = 1 if smoke else args.repeats
     report = {

@@ -1,7 +1,7 @@
 """What bn=window costs: the engine's images/s against bn=batch, side by side in one process.
 
     python benchmarks/bn_window.py            # yolo26n at 160 px, micro-batches of 2 and 8, nbs 64
-    python benchmarks/bn_window.py --smoke    # a few windows at 64 px on tests/models/tiny26.yaml, for the test suite
+    python benchmarks/bn_window.py --smoke    # a window at 64 px on the tests' tiny model, for the test suite
 
 Each engine trains the same in-memory batches through Engine.train_epoch, whole windows and their steps, bn=window's
 statistics pass included: bn=batch, bn=window (the pass over all the window's images) and bn=window with
@@ -56,8 +56,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
-        # one window of each mode on the tests' tiny model: it runs, and gives figures
-        rows = [measure(8, 64, windows=1, repeats=1, model=str(HERE.parent / "tests/models/tiny26.yaml"))]
+        from common import TINY_MODEL
+
+        rows = [measure(8, 64, windows=1, repeats=1, model=TINY_MODEL)]  # one window of each mode: it runs
     else:
         rows = [measure(micro, 160, windows=1, repeats=5) for micro in (2, 8)]
     for r in rows:

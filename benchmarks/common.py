@@ -19,6 +19,8 @@ from yoloaccum.ultra import ultralytics_args
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES_YAML = "datasets/shapes.yaml"
+# The tests' cut-down YOLO26, which trains and compiles in seconds: every benchmark's --smoke model
+TINY_MODEL = str(REPO / "tests/models/tiny26.yaml")
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 CTX = distributed.Context(0, 0, 1, DEVICE)

@@ -35,12 +35,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import REPO, absolute_yaml, shapes_data  # noqa: E402
+from common import REPO, TINY_MODEL, absolute_yaml, shapes_data  # noqa: E402
 from fidelity import BCCD, BCCD_YAML  # noqa: E402
 
 BASE = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64}
 MAKE_TRAIN = {"epochs": 35, "workers": 2, "warmup_epochs": 1, "close_mosaic": 5}  # as the Makefile's train target
-SMOKE = {"model": str(REPO / "tests/models/tiny26.yaml"), "imgsz": 64, "batch": 4, "nbs": 8, "epochs": 1}
+SMOKE = {"model": TINY_MODEL, "imgsz": 64, "batch": 4, "nbs": 8, "epochs": 1}
 
 
 def sets(names: list[str], smoke: bool) -> dict[str, tuple[Path, dict, int]]:

@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench import fresh  # noqa: E402
+from common import TINY_MODEL  # noqa: E402
 
 # name: (trainer, settings beyond the recipe). bn=sync needs several CUDA devices, so batch 2 runs batch and frozen.
 # b2 and b4 name bn=batch (the default before bn=auto, which takes bn=window below 8): their records were made so.
@@ -71,14 +72,8 @@ FULL = {"images": 256, "val_images": 64, "imgsz": 160, "epochs": 30}
 BCCD = {"dataset": "bccd", "imgsz": 256, "epochs": 60}
 BCCD_YAML = HERE.parents[1] / "shared/datasets/bccd.yaml"
 PRECISE_IMAGES = 256  # at most this many images: the default before precise_bn=auto, kept so the records compare
-# The smoke checks that the benchmark runs, not what a model learns: tests/models/tiny26.yaml instead of yolo26n.
-SMOKE = {
-    "images": 16,
-    "val_images": 8,
-    "imgsz": 64,
-    "epochs": 1,
-    "model": str(HERE.parent / "tests/models/tiny26.yaml"),
-}
+# The smoke checks that the benchmark runs, not what a model learns: the tests' tiny model instead of yolo26n.
+SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1, "model": TINY_MODEL}
 RECIPE = {"model": "yolo26n.yaml", "nbs": 64, "warmup_epochs": 1, "close_mosaic": 5, "workers": 0}
 METRICS = ("metrics/mAP50(B)", "metrics/mAP50-95(B)")
 # Two-sided 95% quantiles of Student's t for 1 to 10 degrees of freedom (a paired interval over 2 to 11 seeds).
@@ -88,7 +83,7 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, folder: str) -> dict:
     """In a fresh process: one training run, then its last.pt validated with and without precise BatchNorm."""
     data = dataset(size, folder)
-    args = {**RECIPE, **settings, "model": size.get("model", RECIPE["model"]), "data": str(data),
+    args = {**RECIPE, **settings, "model": model_of(size), "data": str(data),
             "imgsz": size["imgsz"], "epochs": size["epochs"], "seed": seed, "plots": False}  # fmt: skip
     start = time.perf_counter()
     if trainer == "yoloaccum":
@@ -107,6 +102,11 @@ def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, fold
     precise = min(size.get("images", PRECISE_IMAGES), PRECISE_IMAGES)
     return {"seconds": seconds, "curve": _curve(run_dir / "results.csv"),
             **final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], precise)}  # fmt: skip
+
+
+def model_of(size: dict) -> str:
+    """The model a size trains: the recipe's, unless the size names its own (the smoke)."""
+    return size.get("model", RECIPE["model"])
 
 
 def dataset(size: dict, folder: str) -> Path:
@@ -219,7 +219,7 @@ def report(summary: dict, size: dict, seeds: list[int], minutes: float, flags: s
     lines = [
         f"# Fidelity: final mAP over seeds (`python benchmarks/fidelity.py{flags}`)",
         "",
-        f"{data}, {Path(size.get('model', RECIPE['model'])).stem}, {size['epochs']} epochs, nbs 64, warmup 1, "
+        f"{data}, {Path(model_of(size)).stem}, {size['epochs']} epochs, nbs 64, warmup 1, "
         f"close_mosaic 5, seeds {', '.join(map(str, seeds))}. "
         f"raw: the EMA's BatchNorm statistics as trained; precise: recomputed over all training images, drawn as "
         f"precise_bn draws them by default (at most {PRECISE_IMAGES}, the recipe's augmentation, mosaic included). "

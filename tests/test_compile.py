@@ -16,6 +16,7 @@ import torch
 from conftest import (
     REPO,
     SERIAL,
+    TINY_MODEL,
     final_weights,
     global_settings_kept,
     offline_env,
@@ -29,10 +30,9 @@ from yoloaccum.errors import UserError
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import CTX, engine_for, make_batches  # noqa: E402
 
-TINY = str(REPO / "tests/models/tiny26.yaml")
 # 20 images at batch 8: micro-batches of 8, 8 and a short one of 4, which yoloaccum trains rather than drops.
-RUN = ("model=" + TINY, "imgsz=64", "batch=8", "nbs=16", "workers=0", "plots=False", "exist_ok=True", "compile=True",
-       "warmup_epochs=0", "seed=0", "deterministic=True")  # fmt: skip
+RUN = ("model=" + TINY_MODEL, "imgsz=64", "batch=8", "nbs=16", "workers=0", "plots=False", "exist_ok=True",
+       "compile=True", "warmup_epochs=0", "seed=0", "deterministic=True")  # fmt: skip
 
 
 @pytest.mark.parametrize(("value", "mode"), [(False, None), (True, "default"), ("max-autotune", "max-autotune")])
@@ -87,8 +87,8 @@ def test_a_compiled_window_equals_the_eager_one_and_compiling_changes_nothing():
 
 
 def compiled_window_equals_eager() -> None:
-    eager = engine_for(TINY, 64, batch=8, nbs=16, num_batches=2)
-    compiled = engine_for(TINY, 64, batch=8, nbs=16, num_batches=2)
+    eager = engine_for(TINY_MODEL, 64, batch=8, nbs=16, num_batches=2)
+    compiled = engine_for(TINY_MODEL, 64, batch=8, nbs=16, num_batches=2)
     state = copy.deepcopy(compiled.raw_model.state_dict())
     params = list(compiled.raw_model.parameters())
     open_window = [torch.randn_like(p) for p in params]  # as a window reopened on resume (remainder=carry)

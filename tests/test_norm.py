@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import PLUMBING, SERIAL, final_weights, relative_difference, shapes_yaml
+from conftest import PLUMBING, SERIAL, TINY_MODEL, final_weights, relative_difference, shapes_yaml
 from test_engine import make_engine
 from torch import nn
 
@@ -293,8 +293,7 @@ def test_compiled_bn_window_equals_eager(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from common import CTX, engine_for, make_batches
 
-    tiny = str(REPO / "tests/models/tiny26.yaml")
-    engines = [engine_for(tiny, 64, batch=2, nbs=8, num_batches=4) for _ in range(2)]
+    engines = [engine_for(TINY_MODEL, 64, batch=2, nbs=8, num_batches=4) for _ in range(2)]
     for e in engines:
         norm.convert(e.raw_model)  # the parameters stay those the optimizer holds
     eager, compiled = engines
