@@ -84,8 +84,8 @@ MUTATIONS = [
     (
         "norm.py: bn=window falls back to each micro-batch's own statistics (r = 1, d = 0)",
         "yoloaccum/norm.py",
-        "            r = ((var_b + self.eps).sqrt() / std).clamp_(1 / R_MAX, R_MAX)\n            d = ((mean_b - self.window_mean) / std).clamp_(-D_MAX, D_MAX)",
-        "            r = torch.ones_like(var_b)\n            d = torch.zeros_like(mean_b)",
+        "        r = torch.div(window_invstd, invstd_b).clamp_(1 / R_MAX, R_MAX)\n        d = torch.addcmul(window_shift, mean_b, window_invstd).clamp_(-D_MAX, D_MAX)",
+        "        r = torch.ones_like(invstd_b)\n        d = torch.zeros_like(mean_b)",
         "tests/test_norm.py::test_every_micro_batch_of_a_window_is_normalised_as_one_batch_of_its_images",
     ),
     (
@@ -238,8 +238,15 @@ MUTATIONS = [
     (
         "norm.py: bn=window normalises with the window's statistics as constants (no gradient through any statistics)",
         "yoloaccum/norm.py",
-        "        return F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)",
+        "        return _Renormalize.apply(x, self.weight, self.bias, self.window_invstd, self.window_shift, self.eps)",
         "        return F.batch_norm(x, self.window_mean, self.window_var, self.weight, self.bias, False, 0.0, self.eps)",
+        "tests/test_norm.py::test_the_gradient_goes_through_the_micro_batchs_statistics_as_batch_renormalization",
+    ),
+    (
+        "norm.py: bn=window's weight gradient forgets that gamma scales r and d (dgamma of plain BatchNorm)",
+        "yoloaccum/norm.py",
+        "        return dx, dscale.mul_(r).addcmul_(dshift, d), dshift, None, None, None",
+        "        return dx, dscale, dshift, None, None, None",
         "tests/test_norm.py::test_the_gradient_goes_through_the_micro_batchs_statistics_as_batch_renormalization",
     ),
     (
@@ -355,10 +362,10 @@ MUTATIONS = [
         "tests/test_resume.py::test_remainder_carry_keeps_a_window_left_open_at_a_stop",
     ),
     (
-        "norm.py: bn=window's r and d computed with gradient (the backward of a constant normalisation, not BatchNorm's)",
+        "norm.py: bn=window's input gradient that of a constant normalisation, not through the micro-batch's statistics",
         "yoloaccum/norm.py",
-        "        with torch.no_grad():  # the micro-batch's statistics against the window's, in float32",
-        "        if True:  # the micro-batch's statistics against the window's, in float32",
+        "        if not affine:\n            return dx, None, None, None, None, None",
+        "        dx = grad * (scale * invstd_b).view(1, -1, 1, 1)\n        if not affine:\n            return dx, None, None, None, None, None",
         "tests/test_norm.py::test_a_window_of_one_micro_batch_is_batchnorm_gradient_included",
     ),
     (
