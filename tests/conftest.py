@@ -62,6 +62,30 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+# Worst first: a test that passed its call but failed its teardown counts as an error.
+_OUTCOMES = ("failed", "error", "skipped", "passed")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The numerics gate, named at the end of every session that ran its tests: how the exactness proofs (tests
+    marked numerics) fared, apart from the rest. `make test` runs them in one session with everything else (two
+    sessions built the files' shared fixtures twice); `make numerics` runs them alone."""
+    worst: dict[str, str] = {}
+    for outcome in reversed(_OUTCOMES):  # later, worse outcomes overwrite better ones
+        for report in terminalreporter.stats.get(outcome, ()):
+            if "numerics" in getattr(report, "keywords", {}):
+                worst[report.nodeid] = outcome
+    if not worst:
+        return
+    counts = [f"{sum(o == outcome for o in worst.values())} {outcome}" for outcome in _OUTCOMES]
+    broken = sorted(nodeid for nodeid, outcome in worst.items() if outcome in ("failed", "error"))
+    verdict = "FAILED" if broken else "passed"
+    line = f"numerics gate {verdict}: " + ", ".join(c for c in counts if not c.startswith("0 "))
+    terminalreporter.write_sep("=", line, red=bool(broken), green=not broken, bold=True)
+    for nodeid in broken:
+        terminalreporter.write_line(f"  {nodeid}")
+
+
 def offline_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """The current environment without debug or torchrun settings, with the network guard on PYTHONPATH."""
     base = {k: v for k, v in os.environ.items() if k not in _UNSET}
