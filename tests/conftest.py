@@ -54,6 +54,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+    for item in items:  # the gate's mark on each report, through xdist too (a keyword could be a parameter's id)
+        if item.get_closest_marker("numerics"):
+            item.user_properties.append(("numerics", True))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -63,26 +66,30 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 # Worst first: a test that passed its call but failed its teardown counts as an error.
-_OUTCOMES = ("failed", "error", "skipped", "passed")
+_OUTCOMES = ("failed", "error", "xpassed", "skipped", "xfailed", "passed")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """The numerics gate, named at the end of every session that ran its tests: how the exactness proofs (tests
     marked numerics) fared, apart from the rest. `make test` runs them in one session with everything else (two
-    sessions built the files' shared fixtures twice); `make numerics` runs them alone."""
+    sessions built the files' shared fixtures twice); `make numerics` runs them alone. A test that crashed its
+    xdist worker carries no mark: the gate then says it is incomplete."""
     worst: dict[str, str] = {}
     for outcome in reversed(_OUTCOMES):  # later, worse outcomes overwrite better ones
         for report in terminalreporter.stats.get(outcome, ()):
-            if "numerics" in getattr(report, "keywords", {}):
+            if ("numerics", True) in getattr(report, "user_properties", ()):
                 worst[report.nodeid] = outcome
+    crashed = [r.nodeid for r in terminalreporter.stats.get("failed", ()) if getattr(r, "when", "") == "???"]
     if not worst:
         return
     counts = [f"{sum(o == outcome for o in worst.values())} {outcome}" for outcome in _OUTCOMES]
-    broken = sorted(nodeid for nodeid, outcome in worst.items() if outcome in ("failed", "error"))
-    verdict = "FAILED" if broken else "passed"
+    broken = sorted(nodeid for nodeid, outcome in worst.items() if outcome in ("failed", "error", "xpassed"))
+    verdict = "FAILED" if broken else "incomplete" if crashed else "passed"
     line = f"numerics gate {verdict}: " + ", ".join(c for c in counts if not c.startswith("0 "))
-    terminalreporter.write_sep("=", line, red=bool(broken), green=not broken, bold=True)
-    for nodeid in broken:
+    if crashed:
+        line += f", and {len(crashed)} crashed a worker"
+    terminalreporter.write_sep("=", line, red=verdict != "passed", green=verdict == "passed", bold=True)
+    for nodeid in broken + crashed:
         terminalreporter.write_line(f"  {nodeid}")
 
 

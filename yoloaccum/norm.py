@@ -51,6 +51,7 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, **kwargs: Any):
         super().__init__(num_features, eps=eps, momentum=momentum, **kwargs)
         device = self.running_mean.device
+        # the window's mean and biased variance as the pass leaves them, for inspection and the tests
         self.register_buffer("window_mean", torch.zeros(num_features, device=device), persistent=False)
         self.register_buffer("window_var", torch.ones(num_features, device=device), persistent=False)
         # what the micro-steps read, computed once a window: 1 / sqrt(window_var + eps) and -window_mean * that
@@ -115,7 +116,7 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
 
 
 class _Renormalize(torch.autograd.Function):
-    """Batch Renormalization of one micro-batch against its window's statistics, in one ATen call each way.
+    """Batch Renormalization of one micro-batch against its window's statistics, one batch-norm kernel each way.
 
     y = gamma * (xhat_B * r + d) + beta, with xhat_B the micro-batch's own normalisation and r = sigma_B / sigma,
     d = (mu_B - mu) / sigma constants clipped to [1/R_MAX, R_MAX] and [-D_MAX, D_MAX]: that is BatchNorm over the
@@ -126,12 +127,15 @@ class _Renormalize(torch.autograd.Function):
     (batch_norm_update_stats, fast on the channels-last activations where plain sums are not), the forward applies
     them as an eval-mode batch_norm does, and the backward is ATen's batch_norm backward given those statistics.
     Composed of autograd operations (sums, then a training batch_norm) the layer cost 1.3x-1.4x BatchNorm2d's
-    training step at micro-batch 2 and 8; see docs/batchnorm.md."""
+    training step at micro-batch 2 and 8; see docs/batchnorm.md. Differentiable once: nothing in yoloaccum takes a
+    gradient of a gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, window_invstd, window_shift, eps):  # type: ignore[override]
-        # the micro-batch's mean and biased variance in one ATen call, in float32 as under autocast
-        mean_b, var_b = torch.batch_norm_update_stats(x if x.dtype == torch.float32 else x.float(), None, None, 0.0)
+        # the micro-batch's mean and biased variance in one ATen call; fp16 and bf16 (autocast) in float32, since the
+        # CPU's kernel would return them in the input's precision
+        low = x.dtype in (torch.float16, torch.bfloat16)
+        mean_b, var_b = torch.batch_norm_update_stats(x.float() if low else x, None, None, 0.0)
         var_b = var_b.add_(eps)  # from here on, eps included
         invstd_b = var_b.rsqrt()
         r = torch.div(window_invstd, invstd_b).clamp_(1 / R_MAX, R_MAX)
@@ -143,6 +147,7 @@ class _Renormalize(torch.autograd.Function):
         return F.batch_norm(x, mean_b, var_b, scale, shift, False, 0.0, 0.0)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         x, scale, mean_b, invstd_b, r, d = ctx.saved_tensors
         affine = ctx.affine and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
