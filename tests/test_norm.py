@@ -118,6 +118,17 @@ def test_the_gradient_goes_through_the_micro_batchs_statistics_as_batch_renormal
     assert (dx - constant).abs().max() > 1e-2
 
 
+def test_a_float64_layer_stays_in_float64_and_refuses_a_second_backward():
+    """Only fp16 and bf16 inputs are upcast for their statistics; a gradient of a gradient is refused, not wrong."""
+    bn = WindowBatchNorm2d(3).double()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    y = bn(x)
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    assert y.dtype == dx.dtype == torch.float64
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.sum().backward()
+
+
 def test_a_pass_in_chunks_backs_off_on_out_of_memory_and_the_first_layer_stays_exact():
     """A pass that runs out of memory at 8 images halves its chunk until it fits. The first layer's statistics stay
     exact (its input does not depend on any normalisation); downstream ones are approximations, since each chunk
