@@ -66,7 +66,7 @@ bench-precise-bn: install  # precise_bn's share of an epoch on make train's reci
 bench-smoke: install
 	$(BIN)/python benchmarks/bench.py --smoke
 
-bench-bn: install  # bn=window and bn=mabn against bn=batch, side by side (docs/batchnorm.md)
+bench-bn: install  # bn=window (and bn_window=16) against bn=batch, side by side (docs/batchnorm.md)
 	$(BIN)/python benchmarks/bn_window.py
 
 bench-startup: install  # how fast commands that train nothing answer

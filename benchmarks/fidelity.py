@@ -283,7 +283,7 @@ def main() -> None:
                         "goes to benchmarks/fidelity-<epochs>/ unless --out says otherwise")  # fmt: skip
     parser.add_argument("--data", choices=["shapes", "bccd"], default="shapes",
                         help=f"bccd: {BCCD_YAML} (skipped when absent), {BCCD['epochs']} epochs at {BCCD['imgsz']} px; "
-                        "reported in benchmarks/fidelity-bccd/")  # fmt: skip
+                        "reported in benchmarks/fidelity-bccd/, or fidelity-bccd-<epochs>/ with --epochs")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="only write the report from the runs already kept")
     parser.add_argument("--out", type=Path, help="folder for fidelity.{md,json,png}: benchmarks/, or a temporary one")
     parser.add_argument("--revalidate", nargs="+", type=Path, default=[], metavar="DIR",
