@@ -1,16 +1,26 @@
-"""Shared test helpers: `run_cli` runs the real `yoloaccum` command line in a subprocess from the repository root,
-with the network beyond this machine blocked (tests/offline/sitecustomize.py); `cli_in_process` runs it in the test's
-own process, for error paths; `shapes_yaml` makes small sets."""
+"""Shared test helpers: `run_cli` runs the real `yoloaccum` command line in a process of its own from the repository
+root (forked from tests/cli_server.py, whose imports are done, or a fresh interpreter), with the network beyond this
+machine blocked (tests/offline/sitecustomize.py); `cli_in_process` runs it in the test's own process, for error
+paths; `shapes_yaml` makes small sets."""
 
+import atexit
 import contextlib
 import importlib.util
+import io
 import json
+import locale
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import cli_server
 import pytest
 import yaml
 from filelock import FileLock
@@ -103,15 +113,92 @@ def offline_env(env: dict[str, str] | None = None) -> dict[str, str]:
 def _run_cli(
     *args: object, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    """`python -m yoloaccum *args` with output captured; `env` adds to the current environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "yoloaccum", *map(str, args)],
-        cwd=cwd or REPO,
-        env=offline_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python -m yoloaccum *args` with output captured; `env` adds to the current environment. The process is forked
+    from the fork server (tests/cli_server.py), whose imports are done, unless `env` changes what a fresh interpreter
+    would read while importing; then, or with YOLOACCUM_TESTS_FORK=0, it is a fresh interpreter."""
+    cmd, full = [sys.executable, "-m", "yoloaccum", *map(str, args)], offline_env(env)
+    server = _fork_server()
+    if server is not None and server.forks(full):
+        return server.run(cmd, full, cwd or REPO, timeout)
+    return subprocess.run(cmd, cwd=cwd or REPO, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+class _ForkServer:
+    """The client of tests/cli_server.py: one server per test process, started at the first run_cli, one run at a
+    time."""
+
+    def __init__(self) -> None:
+        # What importing yoloaccum sets in the environment (Ultralytics' offline switches) is set in this process
+        # first, as the tests' own imports do: the server then starts with the environment run_cli passes on.
+        import yoloaccum.ultra  # noqa: F401
+
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the server runs) its stderr, shown if it ends
+        server = [sys.executable, str(Path(__file__).with_name("cli_server.py"))]
+        self.environ = self._relevant(offline_env())
+        pipe = subprocess.PIPE
+        self.proc = subprocess.Popen(server, cwd=REPO, env=self.environ, stdin=pipe, stdout=pipe, stderr=self.log)
+        self.buffer = b""
+        self._reply(time.monotonic() + 120)  # ready
+        self.lock = threading.Lock()
+
+    def forks(self, env: dict[str, str]) -> bool:
+        """Whether a child of the server is what a fresh interpreter with `env` would be: `env` is the environment
+        the server started with, but for variables read only while running."""
+        return self._relevant(env) == self.environ
+
+    @staticmethod
+    def _relevant(env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k not in cli_server.RUN_TIME}
+
+    def run(self, cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        with self.lock, tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = {"argv": cmd[3:], "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            pid = self._reply(time.monotonic() + 60)["pid"]
+            try:
+                status = self._reply(time.monotonic() + timeout)["status"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self._reply(None)
+                raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+            return subprocess.CompletedProcess(cmd, status, _text(out), _text(err))
+
+    def _reply(self, deadline: float | None) -> dict:
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                raise subprocess.TimeoutExpired(self.proc.args, wait)
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                self.log.seek(0)
+                raise RuntimeError("the fork server ended:\n" + self.log.read().decode(errors="replace")[-3000:])
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _text(path: Path) -> str:
+    """A file's text as subprocess.run(text=True) gives a pipe's: the locale's encoding, universal newlines."""
+    return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=locale.getpreferredencoding(False)).read()
+
+
+_SERVER: list[_ForkServer] = []
+
+
+def _fork_server() -> _ForkServer | None:
+    if os.environ.get("YOLOACCUM_TESTS_FORK") == "0":
+        return None
+    if not _SERVER:
+        _SERVER.append(_ForkServer())
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
 
 
 @pytest.fixture(scope="session")
