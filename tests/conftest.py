@@ -144,7 +144,14 @@ class _ForkServer:
     def forks(self, env: dict[str, str]) -> bool:
         """Whether a child of the server is what a fresh interpreter with `env` would be: `env` is the environment
         the server started with, but for variables read only while running."""
-        return self._relevant(env) == self.environ
+        return not self.differences(env)
+
+    def differences(self, env: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
+        """The variables, read while importing, whose values in `env` and the server's environment differ."""
+        mine = self._relevant(env)
+        return {
+            k: (mine.get(k), self.environ.get(k)) for k in {*mine, *self.environ} if mine.get(k) != self.environ.get(k)
+        }
 
     @staticmethod
     def _relevant(env: dict[str, str]) -> dict[str, str]:
@@ -193,12 +200,22 @@ _SERVER: list[_ForkServer] = []
 
 
 def _fork_server() -> _ForkServer | None:
+    """This process' fork server, started again when this process' own environment has changed since: a test's
+    code may set a variable for good (inductor sets TORCHINDUCTOR_CACHE_DIR when it first compiles here), and runs
+    started with it would otherwise all get fresh interpreters."""
     if os.environ.get("YOLOACCUM_TESTS_FORK") == "0":
         return None
+    if _SERVER and _SERVER[0].differences(offline_env()):
+        _SERVER.pop().close()
     if not _SERVER:
         _SERVER.append(_ForkServer())
-        atexit.register(_SERVER[0].close)
     return _SERVER[0]
+
+
+@atexit.register
+def _close_fork_server() -> None:
+    if _SERVER:
+        _SERVER.pop().close()
 
 
 @pytest.fixture(scope="session")

@@ -49,12 +49,22 @@ def test_a_user_error_exits_2_with_its_one_line_as_a_fresh_interpreter_does(run_
 
 
 def test_what_a_fresh_interpreter_reads_while_importing_is_not_forked():
-    """TORCH_LOGS, CXX and inductor's settings are read when torch is imported: a request that sets them gets a fresh
-    interpreter. A fault to inject is read while the run runs: that request is forked."""
+    """TORCH_LOGS and CXX are read when torch is imported: a request that sets them gets a fresh interpreter. A
+    fault to inject is read while the run runs: that request is forked."""
     server = _fork_server()
     assert not server.forks(offline_env({"TORCH_LOGS": "recompiles"}))
-    assert not server.forks(offline_env({"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"}))
-    assert server.forks(offline_env({"YOLOACCUM_FAULT": "sigint@3"}))
+    assert not server.forks(offline_env({"CXX": "/no/such/compiler"}))
+    assert not server.differences(offline_env({"YOLOACCUM_FAULT": "sigint@3"}))
+
+
+def test_a_variable_this_process_sets_for_good_starts_the_server_again(monkeypatch):
+    """Inductor, for one, sets TORCHINDUCTOR_CACHE_DIR in the process that first compiles: the runs this process
+    starts from then on carry it, and a new server, started with it, forks them."""
+    before = _fork_server()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_set_by_a_test")
+    after = _fork_server()
+    assert after is not before and before.proc.poll() is not None
+    assert after.forks(offline_env({"YOLOACCUM_FAULT": "sigint@3"}))
 
 
 def test_a_run_past_its_timeout_is_killed_and_says_so(tmp_path: Path, run_cli):
