@@ -163,13 +163,18 @@ class _ForkServer:
             request = {"argv": cmd[3:], "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
-            pid = self._reply(time.monotonic() + 60)["pid"]
             try:
-                status = self._reply(time.monotonic() + timeout)["status"]
-            except subprocess.TimeoutExpired:
-                os.kill(pid, signal.SIGKILL)
-                self._reply(None)
-                raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+                pid = self._reply(time.monotonic() + 60)["pid"]
+                try:
+                    status = self._reply(time.monotonic() + timeout)["status"]
+                except subprocess.TimeoutExpired:
+                    os.kill(pid, signal.SIGKILL)
+                    self._reply(None)
+                    raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+            except BaseException as e:  # Ctrl-C while waiting, say: a reply may be left unread, so end the server
+                if not isinstance(e, subprocess.TimeoutExpired):
+                    self.proc.kill()
+                raise
             return subprocess.CompletedProcess(cmd, status, _text(out), _text(err))
 
     def _reply(self, deadline: float | None) -> dict:
@@ -187,7 +192,8 @@ class _ForkServer:
         return json.loads(line)
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        with contextlib.suppress(OSError):  # a server that has ended has closed its end of the pipe
+            self.proc.stdin.close()
         self.proc.wait(timeout=30)
 
 
@@ -200,12 +206,13 @@ _SERVER: list[_ForkServer] = []
 
 
 def _fork_server() -> _ForkServer | None:
-    """This process' fork server, started again when this process' own environment has changed since: a test's
-    code may set a variable for good (inductor sets TORCHINDUCTOR_CACHE_DIR when it first compiles here), and runs
-    started with it would otherwise all get fresh interpreters."""
+    """This process' fork server, started again when it has ended (killed while a run was waited for) or when this
+    process' own environment has changed since: a test's code may set a variable for good (inductor sets
+    TORCHINDUCTOR_CACHE_DIR when it first compiles here), and runs started with it would otherwise all get fresh
+    interpreters."""
     if os.environ.get("YOLOACCUM_TESTS_FORK") == "0":
         return None
-    if _SERVER and _SERVER[0].differences(offline_env()):
+    if _SERVER and (_SERVER[0].proc.poll() is not None or _SERVER[0].differences(offline_env())):
         _SERVER.pop().close()
     if not _SERVER:
         _SERVER.append(_ForkServer())

@@ -72,3 +72,11 @@ def test_a_run_past_its_timeout_is_killed_and_says_so(tmp_path: Path, run_cli):
     with pytest.raises(subprocess.TimeoutExpired):
         run_cli("train", f"data={data_yaml}", f"project={tmp_path}", "name=slow", *RUN, timeout=0.5)
     assert run_cli("plan", "images=100", "batch=8").returncode == 0  # the server goes on
+
+
+def test_a_server_that_has_ended_is_started_again(run_cli):
+    server = _fork_server()
+    server.proc.kill()
+    server.proc.wait()
+    assert _fork_server() is not server
+    assert run_cli("plan", "images=100", "batch=8").returncode == 0
