@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -120,12 +119,20 @@ def _run_cli(
     server = _fork_server()
     if server is not None and server.forks(full):
         return server.run(cmd, full, cwd or REPO, timeout)
-    return subprocess.run(cmd, cwd=cwd or REPO, env=full, capture_output=True, text=True, timeout=timeout)
+    return run_fresh(*args, env=env, cwd=cwd, timeout=timeout)
+
+
+def run_fresh(
+    *args: object, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """`python -m yoloaccum *args` in a fresh interpreter, whatever the fork server could do."""
+    cmd = [sys.executable, "-m", "yoloaccum", *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=offline_env(env), capture_output=True, text=True, timeout=timeout)
 
 
 class _ForkServer:
-    """The client of tests/cli_server.py: one server per test process, started at the first run_cli, one run at a
-    time."""
+    """The client of tests/cli_server.py: one server per test process, started at the first run_cli; a test process
+    runs one test at a time, so one run at a time."""
 
     def __init__(self) -> None:
         # What importing yoloaccum sets in the environment (Ultralytics' offline switches) is set in this process
@@ -139,7 +146,6 @@ class _ForkServer:
         self.proc = subprocess.Popen(server, cwd=REPO, env=self.environ, stdin=pipe, stdout=pipe, stderr=self.log)
         self.buffer = b""
         self._reply(time.monotonic() + 120)  # ready
-        self.lock = threading.Lock()
 
     def forks(self, env: dict[str, str]) -> bool:
         """Whether a child of the server is what a fresh interpreter with `env` would be: `env` is the environment
@@ -158,22 +164,20 @@ class _ForkServer:
         return {k: v for k, v in env.items() if k not in cli_server.RUN_TIME}
 
     def run(self, cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        with self.lock, tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             request = {"argv": cmd[3:], "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             try:
-                pid = self._reply(time.monotonic() + 60)["pid"]
-                try:
-                    status = self._reply(time.monotonic() + timeout)["status"]
-                except subprocess.TimeoutExpired:
-                    os.kill(pid, signal.SIGKILL)
-                    self._reply(None)
-                    raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
-            except BaseException as e:  # Ctrl-C while waiting, say: a reply may be left unread, so end the server
-                if not isinstance(e, subprocess.TimeoutExpired):
-                    self.proc.kill()
+                pid = self._reply(None)["pid"]  # at once: the server only forks (or ends, which _reply says)
+                status = self._reply(time.monotonic() + timeout)["status"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self._reply(None)  # the killed child's status: the server is ready for the next run
+                raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+            except BaseException:  # Ctrl-C while waiting, say: a reply may be left unread, so end the server
+                self.proc.kill()
                 raise
             return subprocess.CompletedProcess(cmd, status, _text(out), _text(err))
 

@@ -5,21 +5,15 @@ With YOLOACCUM_TESTS_FORK=0 every run_cli call is a fresh interpreter: the whole
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PLUMBING, REPO, SERIAL, _fork_server, final_weights, offline_env, shapes_yaml
+from conftest import PLUMBING, SERIAL, _fork_server, final_weights, offline_env, run_fresh, shapes_yaml
 
 pytestmark = pytest.mark.skipif(os.environ.get("YOLOACCUM_TESTS_FORK") == "0", reason="the fork server is off")
 
 RUN = (*PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0", "warmup_epochs=1", "exist_ok=True")
-
-
-def fresh(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "yoloaccum", *map(str, args)], cwd=REPO, env=offline_env(env),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 def test_a_forked_run_ends_where_a_fresh_interpreter_does(tmp_path: Path, run_cli):
@@ -30,7 +24,7 @@ def test_a_forked_run_ends_where_a_fresh_interpreter_does(tmp_path: Path, run_cl
     data_yaml = shapes_yaml(tmp_path, num_train=12, num_val=4)
     common = (f"data={data_yaml}", f"project={tmp_path}", *RUN)
     forked = run_cli("train", *common, "name=forked", env=SERIAL)
-    new = fresh("train", *common, "name=fresh", env=SERIAL)
+    new = run_fresh("train", *common, "name=fresh", env=SERIAL, timeout=300)
     assert forked.returncode == new.returncode == 0, forked.stderr[-2000:] + new.stderr[-2000:]
     assert torch.equal(final_weights(tmp_path / "forked"), final_weights(tmp_path / "fresh"))
     head = [(tmp_path / f"{name}/results.csv").read_text().splitlines()[0] for name in ("forked", "fresh")]
@@ -43,7 +37,7 @@ def test_a_forked_run_ends_where_a_fresh_interpreter_does(tmp_path: Path, run_cl
 
 
 def test_a_user_error_exits_2_with_its_one_line_as_a_fresh_interpreter_does(run_cli):
-    forked, new = run_cli("train", "nbs=abc"), fresh("train", "nbs=abc")
+    forked, new = run_cli("train", "nbs=abc"), run_fresh("train", "nbs=abc")
     assert forked.returncode == new.returncode == 2
     assert forked.stderr == new.stderr and forked.stderr.count("\n") == 1, forked.stderr
 
