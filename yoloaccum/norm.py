@@ -136,15 +136,16 @@ class _Renormalize(torch.autograd.Function):
         # CPU's kernel would return them in the input's precision
         low = x.dtype in (torch.float16, torch.bfloat16)
         mean_b, var_b = torch.batch_norm_update_stats(x.float() if low else x, None, None, 0.0)
-        var_b = var_b.add_(eps)  # from here on, eps included
-        invstd_b = var_b.rsqrt()
+        invstd_b = (var_b + eps).rsqrt()
         r = torch.div(window_invstd, invstd_b).clamp_(1 / R_MAX, R_MAX)
         d = torch.addcmul(window_shift, mean_b, window_invstd).clamp_(-D_MAX, D_MAX)
         scale = weight * r if weight is not None else r
         shift = torch.addcmul(bias, weight, d) if weight is not None else d
         ctx.save_for_backward(x, scale, mean_b, invstd_b, r, d)
         ctx.affine = weight is not None
-        return F.batch_norm(x, mean_b, var_b, scale, shift, False, 0.0, 0.0)
+        # eps given to batch_norm, which adds it to var_b as invstd_b has it: torch before 2.14 refuses eps=0 even in
+        # eval mode (seen on torch 2.11 on a GPU: "batch_norm eps must be positive")
+        return F.batch_norm(x, mean_b, var_b, scale, shift, False, 0.0, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
