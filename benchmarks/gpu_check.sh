@@ -411,10 +411,14 @@ def amp_engine_bookkeeping():
             return _f(*a, **k)
         setattr(e.scaler, name, counted)
     e.train_epoch(0, [dict(b) for b in BATCHES])
-    windows = len(e.history)
-    ok = calls == {"scale": 8, "unscale_": windows, "step": windows, "update": windows} and windows == 2
+    windows, skipped = len(e.history), len(e.skipped)
+    # A fresh GradScaler (scale 65536) overflowed both windows on an H200 (2026-12-04): a skipped window calls no
+    # step(), by design, so step() is counted against the windows that were not skipped.
+    want = {"scale": 8, "unscale_": windows, "step": windows - skipped, "update": windows}
+    ok = calls == want and windows == 2
     check("amp_scaler_calls", "PASS" if ok else "FAIL",
-          f"8 micro-batches, {windows} windows: {calls} (want scale per micro-batch, the rest once per window)")
+          f"8 micro-batches, {windows} windows, {skipped} skipped for overflow: {calls} (want scale per micro-batch, "
+          "unscale_ and update once per window, step once per window not skipped)")
     # an overflowed window: every gradient non-finite from its first backward on
     p0, hits = next(e.raw_model.parameters()), [0]
 
