@@ -382,3 +382,28 @@ def test_two_ranks_normalise_with_their_own_images_statistics(tmp_path):
     assert relative_difference(ddp["grad"], reference["grad"]) <= 1e-5
     assert relative_difference(ddp["weights"], reference["weights"]) <= 1e-5
     assert relative_difference(ddp["grad"], whole["grad"]) > 1e-3
+
+
+def test_every_batch_norm_the_layer_calls_has_a_positive_eps():
+    """torch 2.11 refuses F.batch_norm with eps <= 0 even in eval mode, where torch 2.14 lets it pass: bn=window once
+    handed its micro-step batch_norm eps=0 (the variance already held eps) and failed at its first micro-step on an
+    H200 with torch 2.11 (docs/gpu.md). The layer runs for real here, forward and backward; a torch function mode
+    only records the eps of each batch_norm call it makes."""
+    from torch.overrides import TorchFunctionMode
+
+    class Recorder(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.eps = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.batch_norm:
+                self.eps.append(kwargs.get("eps", args[7] if len(args) > 7 else 1e-5))
+            return func(*args, **kwargs)
+
+    layer = WindowBatchNorm2d(4).train()
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with Recorder() as recorder:
+        layer(x).sum().backward()
+    assert recorder.eps and all(e > 0 for e in recorder.eps), recorder.eps
