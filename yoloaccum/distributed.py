@@ -104,8 +104,9 @@ def setup(device: str | None, timeout_s: float = 1800) -> Context:
 def _collect_before_teardown() -> None:
     """At exit, while the interpreter is still whole (atexit runs before it starts to tear itself down), collect the
     garbage DDP's training left in reference cycles. Left to the teardown, it aborted a rank now and then ("terminate
-    called without an active exception", exit -6) and torchrun failed a job that had finished: 10 of 30 two-rank gloo
-    jobs under load, none of 40 with this collection (docs/distributed.md). Runs on an error's way out too."""
+    called without an active exception", exit -6) and torchrun failed a job that had finished: 5 of 54 runs of a
+    two-rank gloo test job under load, none of 40 with this collection (docs/distributed.md). Runs on an error's way
+    out too."""
     gc.collect()
 
 

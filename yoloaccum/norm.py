@@ -143,8 +143,8 @@ class _Renormalize(torch.autograd.Function):
         shift = torch.addcmul(bias, weight, d) if weight is not None else d
         ctx.save_for_backward(x, scale, mean_b, invstd_b, r, d)
         ctx.affine = weight is not None
-        # eps given to batch_norm, which adds it to var_b as invstd_b has it: torch before 2.14 refuses eps=0 even in
-        # eval mode (seen on torch 2.11 on a GPU: "batch_norm eps must be positive")
+        # eps given to batch_norm, which adds it to var_b as invstd_b has it: torch 2.11 refuses eps=0 even in eval
+        # mode ("batch_norm eps must be positive"; 2.14 only in training), which the pyproject allows (docs/gpu.md)
         return F.batch_norm(x, mean_b, var_b, scale, shift, False, 0.0, eps)
 
     @staticmethod
