@@ -2,6 +2,9 @@
 
     python benchmarks/bn_window.py            # yolo26n at 160 px, micro-batches of 2 and 8, nbs 64
     python benchmarks/bn_window.py --smoke    # a window at 64 px on the tests' tiny model, for the test suite
+    python benchmarks/bn_window.py --imgsz 640 --micro 2 8 --windows 1 --repeats 3   # other sizes: printed only
+
+On a CUDA machine it runs on cuda:0 with AMP, as the trainer would (docs/batchnorm.md has an H200's rows).
 
 Each engine trains the same in-memory batches through Engine.train_epoch, whole windows and their steps, bn=window's
 statistics pass included: bn=batch, bn=window (the pass over all the window's images) and bn=window with
@@ -54,18 +57,23 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--imgsz", type=int, default=160)
+    p.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches to measure")
+    p.add_argument("--windows", type=int, default=1, help="windows of nbs 64 images per repetition")
+    p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
+    default = (args.imgsz, args.micro, args.windows, args.repeats) == (160, [2, 8], 1, 5)
     if args.smoke:
         from common import TINY_MODEL
 
         rows = [measure(8, 64, windows=1, repeats=1, model=TINY_MODEL)]  # one window of each mode: it runs
     else:
-        rows = [measure(micro, 160, windows=1, repeats=5) for micro in (2, 8)]
+        rows = [measure(micro, args.imgsz, windows=args.windows, repeats=args.repeats) for micro in args.micro]
     for r in rows:
         ips = r["images_per_second"]
         costs = ", ".join(f"bn={m} {ips[m]:.1f} img/s ({c:.3f}x)" for m, c in r["cost"].items())
         print(f"micro-batch {r['micro_batch']}: bn=batch {ips['batch']:.1f} img/s, {costs}", flush=True)
-    if args.smoke:
+    if args.smoke or not default:  # the report is of the default measurement only
         return
     (HERE / "bn_window.json").write_text(json.dumps(rows, indent=1))
     others = [m for m in MODES if m != "batch"]
