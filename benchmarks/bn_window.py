@@ -3,6 +3,7 @@
     python benchmarks/bn_window.py            # yolo26n at 160 px, micro-batches of 2 and 8, nbs 64
     python benchmarks/bn_window.py --smoke    # a window at 64 px on the tests' tiny model, for the test suite
     python benchmarks/bn_window.py --imgsz 640 --micro 2 8 --windows 1 --repeats 3   # other sizes: printed only
+    python benchmarks/bn_window.py --compile  # every model compiled as compile=True compiles it: printed only
 
 On a CUDA machine it runs on cuda:0 with AMP, as the trainer would (docs/batchnorm.md has an H200's rows).
 
@@ -24,10 +25,12 @@ HERE = Path(__file__).resolve().parent
 MODES = {"batch": None, "window": 0, "window, bn_window=16": 16}  # bn=window: images its pass takes (0: all)
 
 
-def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yolo26n.yaml") -> dict:
-    from common import engine_for, make_batches, on_device, synchronize
+def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yolo26n.yaml",
+            compiled: bool = False) -> dict:  # fmt: skip
+    """Images/s of each mode over the same windows; compiled: each model compiled as compile=True compiles it."""
+    from common import DEVICE, engine_for, make_batches, on_device, synchronize
 
-    from yoloaccum import norm
+    from yoloaccum import compiler, norm
 
     nbs = 64
     per_window = max(1, nbs // micro)
@@ -37,6 +40,8 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
         if images is not None:
             norm.convert(e.raw_model)
             e.window_statistics = norm.WindowStatistics(e.raw_model, images, amp=e.amp)
+        if compiled and compiler.compile_model(e.raw_model, "default", [micro], imgsz, DEVICE, e.amp, print) is None:
+            raise SystemExit("bn_window --compile: the model did not compile (the warning above says why)")
         engines[mode] = e
     batches = on_device(make_batches(per_window * windows, micro, imgsz, seed=0))
     rates = {mode: [] for mode in engines}
@@ -51,7 +56,8 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
                 rates[mode].append(len(batches) * micro / (time.perf_counter() - start))
     medians = {mode: statistics.median(v) for mode, v in rates.items()}
     cost = {mode: medians["batch"] / medians[mode] for mode in MODES if mode != "batch"}
-    return {"micro_batch": micro, "imgsz": imgsz, "images_per_second": medians, "cost": cost, "repeats": rates}
+    return {"micro_batch": micro, "imgsz": imgsz, "compiled": compiled, "images_per_second": medians, "cost": cost,
+            "repeats": rates}  # fmt: skip
 
 
 def main() -> None:
@@ -61,14 +67,15 @@ def main() -> None:
     p.add_argument("--micro", type=int, nargs="+", default=[2, 8], help="micro-batches to measure")
     p.add_argument("--windows", type=int, default=1, help="windows of nbs 64 images per repetition")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="compile each model as compile=True does (printed only)")
     args = p.parse_args()
-    default = (args.imgsz, args.micro, args.windows, args.repeats) == (160, [2, 8], 1, 5)
+    default = (args.imgsz, args.micro, args.windows, args.repeats, args.compile) == (160, [2, 8], 1, 5, False)
     if args.smoke:
         from common import TINY_MODEL
 
         rows = [measure(8, 64, windows=1, repeats=1, model=TINY_MODEL)]  # one window of each mode: it runs
     else:
-        rows = [measure(micro, args.imgsz, windows=args.windows, repeats=args.repeats) for micro in args.micro]
+        rows = [measure(micro, args.imgsz, args.windows, args.repeats, compiled=args.compile) for micro in args.micro]
     for r in rows:
         ips = r["images_per_second"]
         costs = ", ".join(f"bn={m} {ips[m]:.1f} img/s ({c:.3f}x)" for m, c in r["cost"].items())
