@@ -690,6 +690,12 @@ if [ -n "$COCO8" ] && (( $(left) > 60 )); then
   if [ $rc -eq 0 ]; then report coco8_amp_training finite "$RUNS/coco8"
   else result coco8_amp_training FAIL "rc=$rc: $(tail_of coco8_amp)"; fi
 fi
+if (( $(left) > 110 )); then
+  # bn=window against bn=batch at 640 px (1.39x and 1.54x on an H200, 2026-12-04: launch-bound; docs/batchnorm.md)
+  step bn_window_cost 100 "$PY" benchmarks/bn_window.py --imgsz 640 --micro 2 8 --windows 1 --repeats 3; rc=$?
+  result bn_window_cost "$([ $rc -eq 0 ] && echo INFO || echo FAIL)" \
+    "rc=$rc: $(grep '^micro-batch' "$LOGS/bn_window_cost.log" | sed 's/bn=window, bn_window=16/capped/' | tr '\n' ';')"
+fi
 
 # ------------------------------------------------------------------------------------------------ summary
 echo
