@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="compile each model as compile=True does (printed only)")
     args = p.parse_args()
-    default = (args.imgsz, args.micro, args.windows, args.repeats, args.compile) == (160, [2, 8], 1, 5, False)
+    default = all(getattr(args, k) == p.get_default(k) for k in ("imgsz", "micro", "windows", "repeats", "compile"))
     if args.smoke:
         from common import TINY_MODEL
 
