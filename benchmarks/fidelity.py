@@ -82,6 +82,7 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
        2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
 
+
 def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, folder: str) -> dict:
     """In a fresh process: one training run, then its last.pt validated with and without precise BatchNorm."""
     data = dataset(size, folder)
