@@ -83,7 +83,7 @@ def test_every_layer_is_recomputed_and_modes_are_restored():
 
 def test_auto_sizes_the_sample_to_the_training_set_and_a_count_is_taken_as_given():
     size = precise_bn.sample_size
-    assert [size("auto", n) for n in (4, 292, 512, 1000, 118_287)] == [4, 64, 64, 125, 256]  # coco8 to COCO
+    assert [size("auto", n) for n in (4, 40, 292, 400, 512, 1000, 118_287)] == [4, 40, 48, 50, 64, 125, 256]
     assert size(100, 40) == 40 and size(100, 512) == 100 and size(0, 512) == 0
 
 
