@@ -1,0 +1,140 @@
+"""The pretrained checkpoint the fine-tuning study starts from: yolo26n trained on hardhat with a real batch of 64.
+
+    python benchmarks/pretrain.py            # make it if it is missing (about an hour on 2 CPU cores), print its path
+    python benchmarks/pretrain.py --force    # make it again
+    python benchmarks/pretrain.py --check    # print its path and record; exit 1 if it is missing or altered
+
+COCO weights cannot be had on these machines (nothing downloads), so hardhat's 4,916 photographs of construction
+sites stand in for COCO: real photographs, a different domain from the fine-tuning sets (blood smears, aquariums),
+and enough images for BatchNorm's running statistics to settle. The checkpoint is best.pt of that run, Ultralytics'
+stripped half-precision layout, as a user's yolo26n.pt is. It lives outside git, in $YOLOACCUM_PRETRAINED or
+~/.cache/yoloaccum/pretrained, beside a JSON record with its SHA-256, recipe and hardhat val mAP; the study checks
+the hash before every run, so it never fine-tunes from a file that changed underneath it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+HARDHAT_YAML = REPO.parent / "shared/datasets/hardhat.yaml"
+NAME = "yolo26n-hardhat-224"
+# A real batch of 64 at 224 px, long enough for val mAP to level off; warmup and close_mosaic as the fidelity recipe.
+RECIPE = {
+    "model": "yolo26n.yaml",
+    "imgsz": 224,
+    "batch": 64,
+    "nbs": 64,
+    "epochs": 30,
+    "warmup_epochs": 1,
+    "close_mosaic": 5,
+    "cache": "ram",
+    "seed": 0,
+    "plots": False,
+    "device": "cpu",
+}
+
+
+def home() -> Path:
+    return Path(os.environ.get("YOLOACCUM_PRETRAINED") or Path.home() / ".cache/yoloaccum/pretrained")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record() -> dict | None:
+    """The checkpoint's record, if the checkpoint is there and its hash is the one recorded."""
+    weights, meta = home() / f"{NAME}.pt", home() / f"{NAME}.json"
+    if not (weights.is_file() and meta.is_file()):
+        return None
+    saved = json.loads(meta.read_text())
+    return saved if saved.get("sha256") == sha256(weights) else None
+
+
+def ensure(force: bool = False) -> Path:
+    """The checkpoint's path; trains it first when it is missing, altered, or force is set."""
+    if not force and record() is not None:
+        return home() / f"{NAME}.pt"
+    if not HARDHAT_YAML.is_file():
+        raise SystemExit(f"pretrain: {HARDHAT_YAML} is not here; the pretrained checkpoint is made from it")
+    return make()
+
+
+def make() -> Path:
+    from common import absolute_yaml
+
+    work = Path(tempfile.mkdtemp(prefix="pretrain-"))
+    args = {**RECIPE, "data": str(absolute_yaml(HARDHAT_YAML)), "project": str(work), "name": "run"}
+    command = [sys.executable, "-m", "yoloaccum", "train", *(f"{k}={v}" for k, v in args.items())]
+    print("pretrain:", " ".join(command[2:]), flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, check=True, cwd=REPO)
+    minutes = (time.perf_counter() - start) / 60
+    run = work / "run"
+    with open(run / "results.csv") as f:
+        rows = [{k.strip(): v for k, v in row.items()} for row in csv.DictReader(f)]
+    best = max(rows, key=lambda r: float(r["fitness"]))
+    home().mkdir(parents=True, exist_ok=True)
+    target = home() / f"{NAME}.pt"
+    shutil.copyfile(run / "weights/best.pt", target)
+    saved = {
+        "file": target.name,
+        "sha256": sha256(target),
+        "recipe": RECIPE,
+        "data": "../shared/datasets/hardhat.yaml (4,916 train, 500 val)",
+        "best_epoch": int(best["epoch"]),
+        "hardhat_val": {k: float(best[k]) for k in ("metrics/mAP50(B)", "metrics/mAP50-95(B)")},
+        "last_epoch_val": {k: float(rows[-1][k]) for k in ("metrics/mAP50(B)", "metrics/mAP50-95(B)")},
+        "curve_map50_95": [round(float(r["metrics/mAP50-95(B)"]), 4) for r in rows],
+        "minutes": round(minutes, 1),
+        "made": datetime.date.today().isoformat(),
+        "commit": git_head(),
+    }
+    (home() / f"{NAME}.json").write_text(json.dumps(saved, indent=1) + "\n")
+    shutil.copyfile(run / "results.csv", home() / f"{NAME}-results.csv")
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"pretrain: {target} ({minutes:.0f} min), hardhat val {saved['hardhat_val']}", flush=True)
+    return target
+
+
+def git_head() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--force", action="store_true", help="train it again even if it is there")
+    p.add_argument("--check", action="store_true", help="only say whether it is there and unaltered")
+    a = p.parse_args()
+    if a.check:
+        saved = record()
+        if saved is None:
+            print(f"pretrain: {home() / NAME}.pt is missing or altered; run make pretrain")
+            raise SystemExit(1)
+        print(home() / f"{NAME}.pt", json.dumps(saved["hardhat_val"]))
+        return
+    print(ensure(a.force))
+
+
+if __name__ == "__main__":
+    main()
