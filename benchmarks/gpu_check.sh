@@ -498,7 +498,7 @@ def compile_accumulation():
     for mode in ("eager", "default", "reduce-overhead"):
         e, t0 = make_engine(TINY, 64, 8, 32, 64, amp=True, init_scale=2.0**10), time.perf_counter()
         try:
-            if mode != "eager" and compiler.compile_model(e.raw_model, mode, [8], 64, DEV, True, warn=print) is None:
+            if mode != "eager" and compiler.compile_model(e.raw_model, mode, [8], 64, DEV, torch.float16, warn=print) is None:
                 check(f"compile_{mode}", "FAIL", "compile_model fell back to eager (warning above)")
                 continue
             graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]

@@ -94,7 +94,7 @@ def compiled_window_equals_eager() -> None:
     open_window = [torch.randn_like(p) for p in params]  # as a window reopened on resume (remainder=carry)
     for p, g in zip(params, open_window):
         p.grad = g.clone()
-    done = compiler.compile_model(compiled.raw_model, "default", (8, 4), 64, CTX.device, False, warn=pytest.fail)
+    done = compiler.compile_model(compiled.raw_model, "default", (8, 4), 64, CTX.device, None, warn=pytest.fail)
     assert done is not None and done.batch_sizes == (8, 4)
     for k, v in compiled.raw_model.state_dict().items():
         assert torch.equal(v, state[k]), f"compiling changed {k}"

@@ -128,59 +128,117 @@ def test_to_yaml_round_trips() -> None:
     assert yaml.safe_load(cfg.to_yaml()) == dict(cfg)
 
 
-ULTRALYTICS_AT_DEFAULTS = "task: detect\nmode: train\nrect: False\noverlap_mask: True\nbatch: 8\nnbs: 64\n"
+ULTRALYTICS_AT_DEFAULTS = "overlap_mask: True\nprofile: False\nbatch: 8\nnbs: 64\n"
 
 
-def test_ultralytics_keys_at_their_defaults_are_dropped_silently(tmp_path: Path) -> None:
+def test_unsupported_keys_at_ultralytics_defaults_are_dropped_silently(tmp_path: Path) -> None:
     cfg = config.resolve([_recipe(tmp_path, ULTRALYTICS_AT_DEFAULTS)])
     assert cfg.ignored == ()
     assert dict(cfg) == dict(config.resolve(["batch=8"]))
-    assert "task" not in cfg and "rect" not in cfg
+    assert "overlap_mask" not in cfg and "profile" not in cfg
 
 
-def test_ultralytics_keys_that_change_something_are_reported(tmp_path: Path) -> None:
-    cfg = config.resolve([_recipe(tmp_path, ULTRALYTICS_AT_DEFAULTS + "rect: True\nmode: val\n")])
-    assert sorted(cfg.ignored) == ["mode", "rect"]
+def test_dropped_keys_are_listed_with_their_reason(tmp_path: Path) -> None:
+    recipe = (
+        ULTRALYTICS_AT_DEFAULTS + "profile: True\nmode: val\ntask: detect\nsave_dir: runs/detect/train\nhalf: True\n"
+    )
+    cfg = config.resolve([_recipe(tmp_path, recipe)])
+    assert cfg.ignored[0] == "mode, task, save_dir (they describe a run, not a recipe)"
+    assert any(x.startswith("profile (ONNX and TensorRT profiling") for x in cfg.ignored)
+    assert any(x.startswith("half (export and predict precision") for x in cfg.ignored)
     assert cfg.batch == 8
+    note = config.dropped_note(cfg)
+    assert note and "\n" not in note and "save_dir" in note and "half" in note
 
 
-# Every key of Ultralytics' default.yaml: used with Ultralytics' meaning, or ignored (reported when a recipe sets it).
+# Every key of Ultralytics' default.yaml is used with Ultralytics' meaning, or has its reason in ultralytics_keys.
 USED_AS_ULTRALYTICS = (
-    "model", "data", "epochs", "patience", "batch", "imgsz", "save", "save_period", "cache", "device", "workers",
-    "project", "name", "exist_ok", "pretrained", "optimizer", "verbose", "seed", "deterministic", "single_cls",
-    "cos_lr", "close_mosaic", "resume", "amp", "fraction", "channels_last", "val", "split", "conf", "iou", "max_det",
-    "plots", "source", "lr0", "lrf", "momentum", "weight_decay", "warmup_epochs", "warmup_momentum",
-    "warmup_bias_lr", "box", "cls", "dfl", "nbs", "hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
-    "perspective", "flipud", "fliplr", "bgr", "mosaic", "mixup", "cutmix", "compile",
-)  # fmt: skip
-IGNORED = {
-    "other tasks and modes": ("task", "mode", "cls_remap", "overlap_mask", "mask_ratio", "pose", "kobj", "rle",
-                              "angle", "dlog", "dgrad", "dlam", "dis", "distill_model", "tracker"),
-    "predict, export and display options": ("save_json", "quantize", "dnn", "nms", "vid_stride", "stream_buffer",
-                                            "visualize", "augment", "agnostic_nms", "classes", "retina_masks", "embed",
-                                            "show", "save_frames", "save_txt", "save_conf", "save_crop", "show_labels",
-                                            "show_conf", "show_boxes", "line_width", "format", "optimize", "dynamic",
-                                            "simplify", "opset", "workspace"),
-    "training features yoloaccum does not have": ("time", "rect", "profile", "freeze", "multi_scale",
-                                                  "dropout", "cls_pw", "copy_paste", "copy_paste_mode",
-                                                  "auto_augment", "erasing"),
-    "the recipe itself (cfg= names it)": ("cfg",),
-}  # fmt: skip
+    "model",
+    "data",
+    "epochs",
+    "time",
+    "patience",
+    "batch",
+    "imgsz",
+    "save",
+    "save_period",
+    "cache",
+    "device",
+    "workers",
+    "project",
+    "name",
+    "exist_ok",
+    "pretrained",
+    "optimizer",
+    "verbose",
+    "seed",
+    "deterministic",
+    "single_cls",
+    "classes",
+    "rect",
+    "multi_scale",
+    "freeze",
+    "cls_remap",
+    "cos_lr",
+    "close_mosaic",
+    "resume",
+    "amp",
+    "fraction",
+    "channels_last",
+    "val",
+    "split",
+    "conf",
+    "iou",
+    "max_det",
+    "plots",
+    "source",
+    "lr0",
+    "lrf",
+    "momentum",
+    "weight_decay",
+    "warmup_epochs",
+    "warmup_momentum",
+    "warmup_bias_lr",
+    "box",
+    "cls",
+    "dfl",
+    "nbs",
+    "hsv_h",
+    "hsv_s",
+    "hsv_v",
+    "degrees",
+    "translate",
+    "scale",
+    "shear",
+    "perspective",
+    "flipud",
+    "fliplr",
+    "bgr",
+    "mosaic",
+    "mixup",
+    "cutmix",
+    "compile",
+)
 
 
 def test_ultralytics_default_yaml_loads_as_a_recipe(tmp_path: Path) -> None:
-    """Every key at its default is accepted; each is used with Ultralytics' meaning or listed as ignored above."""
+    """Every key at its default is accepted; each is ours, with Ultralytics' meaning, or has a reason it is not."""
+    from yoloaccum import ultralytics_keys
+
     ultra = config.ultralytics_defaults()
-    ignored = [k for keys in IGNORED.values() for k in keys]
-    assert sorted(USED_AS_ULTRALYTICS + tuple(ignored)) == sorted(ultra), "a new Ultralytics key: decide, then list it"
+    not_ours = [k for k in ultra if k not in USED_AS_ULTRALYTICS]
+    assert all(ultralytics_keys.reason(k) for k in not_ours), [k for k in not_ours if not ultralytics_keys.reason(k)]
+    assert set(USED_AS_ULTRALYTICS) <= set(config.schema()), "a key listed as used is not in cfg/default.yaml"
     cfg = config.resolve([_recipe(tmp_path, yaml.safe_dump(ultra))])
-    assert cfg.ignored == ()
+    assert len(cfg.ignored) == 1 and cfg.ignored[0].endswith(" (they describe a run, not a recipe)")
+    assert set(cfg.ignored[0].split(" (")[0].split(", ")) == {"task", "mode"}
     ours = config.schema()
     for k in USED_AS_ULTRALYTICS:
         # An empty value (model:, channels_last:) means "not set": our default stands.
         assert cfg[k] == (ultra[k] if ultra[k] is not None else ours[k].default), k
-    changed = {**ultra, **{k: "changed" for k in ignored}}
-    assert set(config.resolve([_recipe(tmp_path, yaml.safe_dump(changed))]).ignored) == set(ignored) - {"cfg"}
+    changed = {**ultra, **{k: "changed" for k in not_ours}}
+    dropped = config.resolve([_recipe(tmp_path, yaml.safe_dump(changed))]).ignored
+    assert {x.split(" (")[0] for x in dropped[1:]} == set(not_ours) - set(ultralytics_keys.RUN_KEYS)
 
 
 def test_keys_py_is_the_typed_view_of_default_yaml() -> None:

@@ -13,6 +13,7 @@ import errno
 import io
 import os
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from copy import copy, deepcopy
@@ -145,9 +146,14 @@ def load(path: str | Path, trust: bool = False) -> dict[str, Any]:
         raise UserError(f"weights file {path} does not exist; give the path to a local .pt file")
     if path.suffix != ".pt":
         raise UserError(f"{path} is not a .pt checkpoint")
+    corrupt = f"{path} is not a readable PyTorch checkpoint (truncated or corrupt?); copy it again, or give another .pt"
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut-off copy has no central directory
+        raise UserError(corrupt)
     try:
         ckpt, _ = torch_safe_load(str(path), safe_only=not trust)
     except TypeError as e:
+        if "not a loadable checkpoint" in str(e):
+            raise UserError(corrupt) from e
         if trust:
             raise UserError(f"{path} is not a loadable checkpoint: {str(e).splitlines()[0]}") from e
         raise UserError(

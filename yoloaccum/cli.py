@@ -24,6 +24,9 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Gradient-accumulating trainer for YOLO detectors. Arguments are key=value, as in Ultralytics.",
 )
+# click's error class, which typer raises for an unknown option or command; found through typer's public BadParameter,
+# since newer typer releases carry their own copy of click and older ones import click itself
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 ARGS = Annotated[list[str] | None, typer.Argument(help="key=value settings, e.g. data=coco.yaml batch=8 nbs=64")]
 
 
@@ -88,7 +91,10 @@ def show_cfg(args: ARGS = None) -> None:
     """Print the resolved configuration as YAML, e.g. `yoloaccum cfg cfg=recipe.yaml batch=8`."""
     from yoloaccum import config
 
-    typer.echo(config.resolve(args or []).to_yaml(), nl=False)
+    cfg = config.resolve(args or [])
+    if note := config.dropped_note(cfg):
+        typer.echo(note, err=True)
+    typer.echo(cfg.to_yaml(), nl=False)
 
 
 @app.command()
@@ -127,17 +133,42 @@ def run() -> None:
     from yoloaccum.signals import Interrupted
 
     try:
-        # Standalone: usage errors exit 2, and a second Ctrl-C (KeyboardInterrupt) exits 130 at once; checkpoints
-        # are written atomically, so whatever is on disk then is whole.
-        app(args=args, prog_name="yoloaccum", standalone_mode=True)
+        _check_dashes(args)
+        # Not standalone: a usage error raises here, to be said in one line; a second Ctrl-C (KeyboardInterrupt)
+        # returns 130 at once. Checkpoints are written atomically, so whatever is on disk then is whole.
+        code = app(args=args, prog_name="yoloaccum", standalone_mode=False)
+    except _CLICK_ERROR as e:  # typer's: an unknown option or command
+        commands = {c.name or c.callback.__name__ for c in app.registered_commands}
+        command = next((a for a in args if a in commands), None)
+        _say_error(f"{e.format_message()}; see yoloaccum {command + ' ' if command else ''}--help")
+        sys.exit(2)
     except Interrupted as e:  # a graceful stop: last.pt is saved, and the message says how to resume
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)
     except (UserError, Diverged) as e:
         if verbose or os.environ.get("YOLOACCUM_DEBUG") == "1":
             raise
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        _say_error(str(e))
         sys.exit(e.exit_code if isinstance(e, Diverged) else 2)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+_OPTIONS = {"--json", "--plot", "--help", "--version"}
+
+
+def _check_dashes(args: list[str]) -> None:
+    """`--batch=8` (argparse's habit) is a key=value argument with dashes: say how to write it."""
+    for arg in args:
+        if arg.startswith("-") and "=" in arg and arg.split("=", 1)[0] not in _OPTIONS:
+            raise UserError(f"{arg}: settings are key=value without dashes, as in Ultralytics: {arg.lstrip('-')}")
+
+
+def _say_error(message: str) -> None:
+    from rich.text import Text
+
+    # Text, not markup: a message may hold brackets (freeze=[0, 1])
+    Console(stderr=True, highlight=False).print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True)
 
 
 if __name__ == "__main__":

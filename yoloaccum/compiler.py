@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from yoloaccum import backoff, batches, distributed, schedule, state
+from yoloaccum import backoff, batches, distributed, freeze, precision, schedule, state
 from yoloaccum import model as model_
 from yoloaccum.buffers import kept
 from yoloaccum.config import Config
@@ -87,10 +87,10 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
     sizes = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)}, reverse=True)
     say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
     engine.model.train()  # BatchNorm's mode is part of the graph: compile the one that trains
-    model_.set_bn_mode(engine.model, cfg.bn)
+    model_.set_bn_mode(engine.model, cfg.bn, freeze.prefixes(cfg.freeze))
     try:
         with state.rng_kept():  # compiling draws no training random numbers: make sure of it
-            compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.amp, warn)
+            compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.autocast_dtype, warn)
     except RuntimeError as e:
         if not backoff.is_out_of_memory(e):
             raise
@@ -118,15 +118,23 @@ def after_back_off(compiled: Compiled, engine, num_images: int, imgsz: int, say:
     start = time.perf_counter()
     with state.rng_kept():
         for size in new:
-            warm_up(engine.raw_model, size, imgsz, engine.ctx.device, engine.amp)
+            warm_up(engine.raw_model, size, imgsz, engine.ctx.device, engine.autocast_dtype)
     seconds = time.perf_counter() - start
     say(f"compile: compiled micro-batches of {' and '.join(map(str, new))} after the back-off in {seconds:.1f} s")
     sizes = tuple(sorted({*compiled.batch_sizes, *new}, reverse=True))
     return dataclasses.replace(compiled, batch_sizes=sizes, seconds=compiled.seconds + seconds)
 
 
-def compile_model(model: nn.Module, mode: str, batch_sizes: Iterable[int], imgsz: int, device: torch.device,
-                  amp: bool, warn: Callable[[str], None], dynamic: bool | None = None) -> Compiled | None:  # fmt: skip
+def compile_model(
+    model: nn.Module,
+    mode: str,
+    batch_sizes: Iterable[int],
+    imgsz: int,
+    device: torch.device,
+    amp: torch.dtype | None,
+    warn: Callable[[str], None],
+    dynamic: bool | None = None,
+) -> Compiled | None:
     """Compile model's forward in place and compile every graph training will need, on blank images of each size.
 
     Returns None, with one warning, when the backend is missing or compilation fails: the model is left eager and
@@ -179,7 +187,7 @@ def missing_backend(device: torch.device) -> str | None:
     return None
 
 
-def warm_up(model: nn.Module, batch: int, imgsz: int, device: torch.device, amp: bool) -> None:
+def warm_up(model: nn.Module, batch: int, imgsz: int, device: torch.device, amp: torch.dtype | None) -> None:
     """One forward and backward of `batch` blank images, which compiles both graphs for that size. The model's
     buffers (BatchNorm's running statistics) and gradients are put back as they were, also when compiling the
     backward fails after the forward ran."""
@@ -189,7 +197,7 @@ def warm_up(model: nn.Module, batch: int, imgsz: int, device: torch.device, amp:
     try:
         with kept(model):
             img = torch.zeros(batch, 3, imgsz, imgsz, device=device)  # NCHW, as the engine feeds them (model_input)
-            with torch.autocast(device.type, enabled=amp):
+            with precision.autocast(device, amp):
                 out = model(img)
             tensors = [t for t in _tensors(out) if t.requires_grad]
             torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from yoloaccum import autobatch, batches, data, distributed, loss, norm, resume
+from yoloaccum import autobatch, batches, data, distributed, freeze, loss, norm, precision, resume
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
 from yoloaccum.config import Config
@@ -35,6 +35,7 @@ class Parts:
     run: RunDir | None
     raw_model: torch.nn.Module  # the parameters; engine.model is what runs forward (DDP's wrapper under torchrun)
     bn: str  # the BatchNorm mode in force: cfg.bn, with auto resolved for the micro-batch (schedule.bn_mode)
+    frozen: tuple[str, ...]  # the module-name prefixes of the layers freeze= froze (freeze.py)
     ema: Any  # Ultralytics' ModelEMA
     loss: loss.WindowLoss
     batch_choice: autobatch.Choice | None  # batch=-1 or a fraction: what was measured; None for batch=N
@@ -47,8 +48,6 @@ class Parts:
 def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | None = None) -> Parts:
     """The run's parts for `cfg`; with `ckpt` (a loaded last.pt, see state.read) those of the run it continues, in
     its folder, with its schedule. The checkpoint's weights and positions are put back by state.restore, not here."""
-    from ultralytics.utils.torch_utils import ModelEMA
-
     ctx = distributed.setup(cfg.device, cfg.ddp_timeout)
     # Augmentation draws differ per rank, as in Ultralytics; DDP broadcasts rank 0's initial weights.
     seed_everything(cfg.seed + ctx.rank, cfg.deterministic)
@@ -56,29 +55,46 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
         keep_freed_memory()
     with distributed.main_first(ctx):  # rank 0 generates shapes and writes the label cache; then the others
         spec = data.load_spec(cfg.data, cfg.split)
+        data.check_classes(cfg.classes, spec)
         train_set = data.build_dataset(cfg, spec, "train")
     if not str(cfg.model).endswith(".pt"):
         model_.resolve_yaml(cfg.model)  # a wrong name fails here, before a run folder is made
+    raw_model = model_.build(cfg, spec, verbose=False, announce=ctx.is_main).to(ctx.device)
+    frozen = freeze.apply(raw_model, cfg.freeze)
     run = None
     if ctx.is_main:
         run = RunDir.reopen(ckpt_path.parent.parent) if ckpt_path else RunDir.create(cfg)
         print(data.summary("train", train_set), flush=True)
-    raw_model = model_.build(cfg, spec, verbose=False, announce=ctx.is_main).to(ctx.device)
+    try:
+        return _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen)
+    except BaseException:
+        if run is not None and not ckpt_path:
+            run.discard()  # a run that failed before training leaves no folder behind
+        raise
+
+
+def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
+    """build()'s parts from the model on, once the run folder exists."""
+    from ultralytics.utils.torch_utils import ModelEMA
+
     if cfg.channels_last:  # NHWC convolutions run forward and backward faster (docs/performance.md)
         raw_model.to(memory_format=torch.channels_last)
     ema = ModelEMA(raw_model)  # before the criterion is attached, so the EMA copy carries none
+    if frozen:
+        freeze.keep_in_ema(ema, raw_model, frozen)
     if cfg.grad_checkpointing:  # after the EMA copy, which only evaluates
         model_.checkpoint_blocks(raw_model)
     criterion = loss.WindowLoss(raw_model, cfg.norm)
     if run:
         criterion.set_log(run.console.print)
-    amp = cfg.amp and ctx.device.type == "cuda"  # AMP is a CUDA feature; on the CPU it stays fp32
+    amp_dtype = precision.autocast_dtype(cfg.amp, ctx.device)  # None: float32
+    amp = amp_dtype is not None
     # batch=-1 or a fraction: measured with the model as it trains, or on resume the run's first choice
     batch_choice = autobatch.for_run(cfg, ctx, ckpt, raw_model, criterion, amp, train_set)
     batch = batch_choice.batch if batch_choice else cfg.batch
     schedule = schedule_.build(cfg.replace(batch=batch), len(train_set), ctx.world_size, spec.nc)
-    if ckpt is not None:
-        schedule = resume.resumed_schedule(ckpt["yoloaccum"], schedule, spec.nc)
+    if ckpt is not None:  # with time=, the epochs the run re-estimated last, which it estimates again
+        schedule = resume.resumed_schedule(ckpt["yoloaccum"], schedule, spec.nc, follow_epochs=not cfg.time)
         if run and resume.extension_note(ckpt["yoloaccum"], cfg):
             run.write_args(cfg)  # the run's settings now: its new epochs
     # mosaic's pool: 8 windows of this device's images, as a real batch of nbs would draw them, or (batch) 8 global
@@ -88,15 +104,29 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
     loader = batches.build_loader(train_set, cfg, schedule.micro_batch, ctx.rank, ctx.world_size, ctx.device)
     window_statistics, bn = None, schedule_.bn_mode(cfg.bn, schedule.micro_batch)
     if bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
-        norm.convert(raw_model)
-        window_statistics = norm.WindowStatistics(raw_model, cfg.bn_window, amp=amp)  # on each rank's own images
+        norm.convert(raw_model, frozen)
+        window_statistics = norm.WindowStatistics(
+            raw_model, cfg.bn_window, amp=amp, amp_dtype=amp_dtype or torch.float16
+        )
     log = run.console.print if run else (lambda message: None)
-    engine = Engine.build(raw_model, criterion, schedule, ctx, bn, amp, clip_grad=cfg.clip_grad, ema=ema,
-                          nan_patience=cfg.nan_patience, log=log, window_statistics=window_statistics)  # fmt: skip
+    engine = Engine.build(
+        raw_model,
+        criterion,
+        schedule,
+        ctx,
+        bn,
+        amp,
+        amp_dtype=amp_dtype or torch.float16,
+        clip_grad=cfg.clip_grad,
+        ema=ema,
+        nan_patience=cfg.nan_patience,
+        log=log,
+        window_statistics=window_statistics,
+    )
     # rank 0 validates alone, on one device, in batches of twice the micro-batch
     evaluator = Evaluator(cfg, spec, run.path, schedule.micro_batch * 2, ctx.device, run.console.print) if run else None
-    return Parts(cfg, ctx, spec, train_set, run, raw_model, bn, ema, criterion, batch_choice, schedule, loader,
-                 engine, evaluator)  # fmt: skip
+    return Parts(cfg, ctx, spec, train_set, run, raw_model, bn, frozen, ema, criterion, batch_choice, schedule,
+                 loader, engine, evaluator)  # fmt: skip
 
 
 def build_loader(parts: Parts) -> torch.utils.data.DataLoader:

@@ -19,6 +19,8 @@ import yaml
 from yoloaccum.errors import UserError
 from yoloaccum.keys import Keys
 from yoloaccum.schema import Key, schema, type_names
+from yoloaccum.ultralytics_keys import RUN_KEYS, UNSUPPORTED
+from yoloaccum.ultralytics_keys import reason as unsupported_reason
 
 _ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Config keeps default.yaml's spelling
 _DERIVED = {
@@ -43,7 +45,7 @@ class Config(Mapping[str, Any], Keys):
 
     def __init__(self, values: Mapping[str, Any], ignored: Iterable[str] = ()):
         object.__setattr__(self, "_values", dict(values))
-        object.__setattr__(self, "ignored", tuple(ignored))  # Ultralytics keys in a recipe that yoloaccum ignores
+        object.__setattr__(self, "ignored", tuple(ignored))  # a recipe's keys that were dropped, as "key (why)"
 
     if not TYPE_CHECKING:
 
@@ -109,7 +111,9 @@ def parse_args(args: Iterable[str]) -> dict[str, Any]:
 
 
 def load_recipe(path: str | Path) -> tuple[dict[str, Any], list[str]]:
-    """Read a recipe YAML; Ultralytics-only keys are dropped and listed if their value differs from its default."""
+    """Read a recipe YAML, an Ultralytics run's args.yaml included. Keys yoloaccum does not take are dropped: those
+    that describe a run (save_dir, mode, ...) or were retired by Ultralytics (half, ...) are listed, and so are
+    unsupported ones whose value differs from Ultralytics' default (at the default they change nothing)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"recipe file {path} does not exist; check the path given as cfg=")
@@ -119,15 +123,31 @@ def load_recipe(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     ours, ultra = schema(), ultralytics_defaults()
     # An empty value (`model:` in a copy of Ultralytics' default.yaml) means "not set", not "set to nothing".
     values = {k: v for k, v in values.items() if v is not None or k not in ours or ours[k].default is None}
-    ignored = [k for k, v in values.items() if k not in ours and k in ultra and v != ultra[k] and k != "cfg"]
-    kept = {k: v for k, v in values.items() if k in ours or k not in ultra}
+    dropped = {k: v for k, v in values.items() if k not in ours and unsupported_reason(k)}
+    ignored = [
+        f"{k} ({unsupported_reason(k)})"
+        for k, v in dropped.items()
+        if k not in RUN_KEYS and (k not in UNSUPPORTED or v != ultra.get(k))
+    ]
+    if run_keys := [k for k in dropped if k in RUN_KEYS and k != "cfg"]:
+        ignored.insert(0, f"{', '.join(run_keys)} (they describe a run, not a recipe)")
+    kept = {k: v for k, v in values.items() if k not in dropped}
     return _check_keys(kept, f"key in {path}"), ignored
+
+
+def dropped_note(cfg: Config) -> str | None:
+    """The one line that lists what a recipe's dropped keys were, or None."""
+    if not cfg.ignored:
+        return None
+    return f"the recipe's keys that yoloaccum does not take were dropped: {'; '.join(cfg.ignored)}"
 
 
 def load_yaml(path: Path) -> Any:
     """yaml.safe_load that names the file and line of a syntax error."""
     try:
         return yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not a text file (byte {e.start} is not UTF-8); give a YAML file") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         if mark is not None and mark.line >= len(path.read_text().rstrip("\n").splitlines()):
@@ -142,8 +162,8 @@ def _check_keys(values: Mapping[str, Any], what: str) -> dict[str, Any]:
         if k in _DERIVED:
             raise UserError(_DERIVED[k])
         if k not in keys:
-            if k in ultralytics_defaults():
-                raise UserError(f"'{k}' is an Ultralytics setting that yoloaccum does not support; remove it")
+            if why := unsupported_reason(k):
+                raise UserError(f"'{k}' is an Ultralytics setting that yoloaccum does not take: {why}; remove it")
             close = difflib.get_close_matches(k, keys, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else "; run 'yoloaccum cfg' to list the keys"
             raise UserError(f"unknown {what} '{k}'{hint}")
@@ -155,21 +175,44 @@ def _from_text(key: str, text: str) -> Any:
     spec = schema().get(key)
     if spec is None:
         return text
-    if text in spec.choices:  # a choice is itself, even one spelled like null (lr_scale=none)
-        return text
+    if choice := next((c for c in spec.choices if c.lower() == text.lower()), None):
+        return choice  # a choice is itself, in any case, even one spelled like null (lr_scale=none, lr_scale=None)
     if text.lower() in {"", "none", "null"} and (spec.default is None or str in spec.types):
         return None
     for t in spec.types:
         if t is bool and text.lower() in {"true", "false"}:
             return text.lower() == "true"
+        if t is list and text.startswith("["):
+            return _list_from_text(key, text)
         if t in (int, float):
             try:
                 return t(text)
             except ValueError:
+                if t is int and _integral(text):  # as Ultralytics: epochs=1e2 is 100
+                    return int(float(text))
                 continue
+        if t is list and "," in text:  # freeze=0,1,2 as freeze=[0,1,2]
+            return _list_from_text(key, f"[{text}]")
         if t is str:
             return text
     raise UserError(f"{key}={text} is not {type_names(spec.types)}; e.g. {key}={spec.default}")
+
+
+def _integral(text: str) -> bool:
+    try:
+        return float(text).is_integer()
+    except ValueError:
+        return False
+
+
+def _list_from_text(key: str, text: str) -> list:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, list):
+        raise UserError(f"{key}={text} is not a list; write it as {key}=[0,1,2]")
+    return value
 
 
 def _validate(values: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +223,10 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
             v = values[k] = ",".join(map(str, v)) if isinstance(v, list) else str(v)  # recipes write device: 0
         if v is None and spec.default is None:
             continue
+        if k == "multi_scale" and isinstance(v, bool):  # Ultralytics before 8.4: a switch for +/- 50%
+            v = values[k] = 0.5 if v else 0.0
+        if v is None:
+            raise UserError(f"{k} needs a value: {_what_it_takes(spec)}; e.g. {k}={spec.default}")
         if isinstance(v, int) and not isinstance(v, bool) and float in spec.types and int not in spec.types:
             v = values[k] = float(v)
         if isinstance(v, float) and v.is_integer() and int in spec.types and (float not in spec.types or v >= 1):
@@ -190,16 +237,34 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
             raise UserError(f"{k}={v!r} is not {type_names(spec.types)}; e.g. {k}={spec.default}")
         if isinstance(v, float) and not math.isfinite(v):
             raise UserError(f"{k}={v} must be a finite number")
+        if isinstance(v, list):
+            _check_list(k, v)
         _check_rules(spec, v)
     return values
+
+
+def _what_it_takes(spec: Key) -> str:
+    others = [type_names(tuple(t for t in spec.types if t is not str))] * (spec.types != (str,))
+    return " or ".join([*others, *(["one of " + ", ".join(spec.choices)] if spec.choices else [])]) or type_names(
+        spec.types
+    )
+
+
+def _check_list(key: str, value: list) -> None:
+    """freeze lists layer indices or module names; classes lists class ids."""
+    kinds = (int, str) if key == "freeze" else (int,)
+    if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in value):
+        what, example = (
+            ("layer indices or module names", '[0, 1, 2] or ["23.cv2"]') if key == "freeze" else ("class ids", "[0, 2]")
+        )
+        raise UserError(f"{key}={value} must list {what}, e.g. {key}={example}")
 
 
 def _check_rules(spec: Key, v: Any) -> None:
     """The rules default.yaml gives the key; batch's own (AutoBatch values) in _check_batch."""
     k = spec.name
     if isinstance(v, str) and spec.choices and v not in spec.choices:
-        others = [type_names(tuple(t for t in spec.types if t is not str))] * (spec.types != (str,))
-        raise UserError(f"{k}={v} is not {' or '.join([*others, 'one of ' + ', '.join(spec.choices)])}")
+        raise UserError(f"{k}={v} is not {_what_it_takes(spec)}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return
     if k == "batch":

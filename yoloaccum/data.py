@@ -74,6 +74,13 @@ def load_spec(name: str | Path, split: str = "val") -> DatasetSpec:
                        {int(k): str(v) for k, v in names.items()})  # fmt: skip
 
 
+def check_classes(classes: int | list[int] | None, spec: DatasetSpec) -> None:
+    """classes= lists ids of the dataset's classes."""
+    wrong = [c for c in ([classes] if isinstance(classes, int) else classes or []) if not 0 <= c < spec.nc]
+    if wrong:
+        raise UserError(f"classes={classes}: {spec.yaml_file.name} has class ids 0 to {spec.nc - 1}, not {wrong[0]}")
+
+
 def _root(yaml_file: Path, path: str | None) -> Path:
     if not path:
         return yaml_file.parent
@@ -116,7 +123,7 @@ def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32, 
             img_path=paths if len(paths) > 1 else paths[0], imgsz=cfg.imgsz, batch_size=cfg.batch, augment=augment,
             hyp=args, rect=False, cache=(cfg.cache or None) if augment else None, single_cls=cfg.single_cls,
             stride=stride, pad=0.0,
-            prefix=colorstr(f"{split}: "), task="detect", classes=None, fraction=cfg.fraction,
+            prefix=colorstr(f"{split}: "), task="detect", classes=cfg.classes, fraction=cfg.fraction,
             data={"names": spec.names, "nc": spec.nc, "channels": 3},
         )  # fmt: skip
     except FileNotFoundError as e:

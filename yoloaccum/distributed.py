@@ -42,9 +42,36 @@ class Context:
         return self.rank == 0
 
 
+def resolve_device(device: str | None) -> str:
+    """device= as Ultralytics takes it, made explicit: empty gives the first CUDA device where one is available, else
+    the CPU; each -1 one of the least busy CUDA devices (the most free memory). Other values are returned as given."""
+    text = str(device or "").strip()
+    if not text:
+        if not torch.cuda.is_available():
+            return "cpu"
+        # Under torchrun each process of this machine takes its own device, as Ultralytics' DDP does.
+        return ",".join(map(str, range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    ids = cuda_ids(text)
+    if ids and ids[0] == -1:
+        if "WORLD_SIZE" in os.environ:
+            raise UserError(f"device={device} under torchrun: list the devices (device=0,1), since each rank "
+                            "would see another device as the least busy")  # fmt: skip
+        return ",".join(map(str, least_busy(len(ids))))
+    return text
+
+
+def least_busy(count: int) -> list[int]:
+    """The `count` CUDA devices with the most free memory, in index order."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count > available:
+        raise UserError(f"device={','.join(['-1'] * count)} asks for {count} CUDA device(s), {available} are visible")
+    free = sorted(range(available), key=lambda i: -torch.cuda.mem_get_info(i)[0])
+    return sorted(free[:count])
+
+
 def select_device(device: str | None, local_rank: int = 0) -> torch.device:
     """The torch device for this process; asking for CUDA where there is none is an error, not a silent CPU run."""
-    ids = cuda_ids(device)
+    ids = cuda_ids(resolve_device(device))
     if not ids:
         return torch.device("cpu")
     if not torch.cuda.is_available():

@@ -70,6 +70,7 @@ class Engine:
     after_back_off: Callable[[], None] | None = None  # called once a back-off has halved the micro-batch
     window_statistics: Callable[[list[dict[str, Any]]], None] | None = None  # bn=window's pass (norm.py), if any
     window_ahead: list[dict[str, Any]] = field(default_factory=list)  # the batches the last statistics pass saw
+    save_due: bool = False  # a rank asked, in the window just stepped, for last.pt at this boundary
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -80,17 +81,22 @@ class Engine:
         """The engine for raw_model as runs, tests and benchmarks use it: wrapped in DDP under torchrun (SyncBatchNorm
         first with bn=sync), the optimizer the schedule names, a GradScaler that is a no-op without AMP; `fields` are
         the dataclass's others (clip_grad, ema, nan_patience, log, ...)."""
-        fields.setdefault("scaler", torch.amp.GradScaler("cuda", enabled=amp))
+        # GradScaler exists for float16, whose gradients underflow; bfloat16 has float32's range and needs none.
+        dtype = fields.get("amp_dtype", torch.float16)
+        fields.setdefault("scaler", torch.amp.GradScaler(ctx.device.type, enabled=amp and dtype == torch.float16))
         return cls(model=distributed.wrap(raw_model, ctx, bn), raw_model=raw_model, loss=loss,
                    optimizer=optim.build_optimizer(raw_model, schedule), schedule=schedule, ctx=ctx, amp=amp,
                    **fields)  # fmt: skip
 
     def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None,
-                    start: int = 0, should_stop: Callable[[], bool] = lambda: False) -> EpochResult:  # fmt: skip
+                    start: int = 0, should_stop: Callable[[], bool] = lambda: False,
+                    should_save: Callable[[], bool] = lambda: False,
+                    on_save: Callable[[int], None] | None = None) -> EpochResult:  # fmt: skip
         """The epoch's micro-batches from index `start` on: a micro-step each, an optimizer step at each window end.
 
         Returns early, at a window boundary, when should_stop() is true on any rank or after nan_patience skipped
-        windows in a row.
+        windows in a row. When should_save() is true on any rank, every rank calls on_save(micro-batches done) at the
+        window's end, a boundary a run can resume from.
         """
         s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
         numbered = enumerate(batches, start)
@@ -111,7 +117,7 @@ class Engine:
             # The batch's micro-steps; DDP all-reduces gradients inside the backward of the window's last one only.
             items = self._micro_steps(ni, batch, last_in_window)
             fill = -(-self.micro_batches_in_window // self.split)  # in loader batches, as accumulate counts them
-            stop = self._step(ni, should_stop()) if last_in_window else False
+            stop = self._step(ni, should_stop(), should_save()) if last_in_window else False
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 on_micro_step(i, items, batch["img"].shape[0], fill, s.accumulate_at(ni), lr)
@@ -120,6 +126,8 @@ class Engine:
                     return EpochResult(i + 1, "interrupted")
                 if self.nan_patience and self.skipped_in_a_row >= self.nan_patience:
                     return EpochResult(i + 1, "diverged")
+                if self.save_due and on_save is not None:
+                    on_save(i + 1)
         assert i + 1 == nb, f"the loader gave {i + 1} batches, the schedule expects {nb}"
         return EpochResult(nb, None)
 
@@ -171,6 +179,11 @@ class Engine:
                  f"{self.schedule.effective_batch} images per step")  # fmt: skip
 
     @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """What the forward runs in: amp_dtype with AMP, else None (float32)."""
+        return self.amp_dtype if self.amp else None
+
+    @property
     def micro_batch(self) -> int:
         """Images per forward pass now: the schedule's micro-batch cut `split` ways (rounded up)."""
         return -(-self.schedule.micro_batch // self.split)
@@ -205,17 +218,17 @@ class Engine:
         self.scaler.scale(loss).backward()
         return items
 
-    def _step(self, ni: int, stop_requested: bool) -> bool:
+    def _step(self, ni: int, stop_requested: bool, save_requested: bool = False) -> bool:
         """step(), with running out of memory there (AdamW allocates its state at its first step) a clear stop: the
         weights or the EMA may be half updated, so the window cannot run again as a micro-step can."""
         try:
-            return self.step(ni, stop_requested)
+            return self.step(ni, stop_requested, save_requested)
         except RuntimeError as e:
             if not backoff.is_out_of_memory(e):
                 raise
             raise backoff.in_the_step(ni) from e
 
-    def step(self, ni: int, stop_requested: bool = False) -> bool:
+    def step(self, ni: int, stop_requested: bool = False, save_requested: bool = False) -> bool:
         """End a window: normalise, unscale, clip, step, zero_grad, EMA, once each. Returns whether to stop.
 
         A window whose loss or unscaled gradient is not finite is skipped: no step, no EMA update, BatchNorm
@@ -224,13 +237,14 @@ class Engine:
         """
         c = self.window_counts
         c.stop_votes.fill_(float(stop_requested))
+        c.save_votes.fill_(float(save_requested))
         distributed.all_reduce_sum(c.tensor, self.ctx)  # one all-reduce, in place: the global normaliser and votes
         self.loss.normalise_gradients(c.normaliser, self.ctx.world_size)
         self.scaler.unscale_(self.optimizer)
         # foreach: on the CPU torch would otherwise take each gradient's norm and scale it one by one; same values
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm=self.clip_grad, foreach=True)
-        images, bad_losses, stop_votes, norm = torch.cat([c.images, c.non_finite_losses, c.stop_votes,
-                                                          norm.float().reshape(1)]).tolist()  # sync  # fmt: skip
+        votes = [c.images, c.non_finite_losses, c.stop_votes, c.save_votes, norm.float().reshape(1)]
+        images, bad_losses, stop_votes, save_votes, norm = torch.cat(votes).tolist()  # sync: the window's one
         finite = bad_losses == 0 and math.isfinite(norm)
         optim.set_hyperparameters(self.optimizer, self.schedule, ni)  # also for a skipped step: schedule.csv logs it
         if finite:
@@ -246,6 +260,7 @@ class Engine:
         self.history.append(StepRecord.of(ni, self.micro_batches_in_window, int(images), self.optimizer, finite))
         c.tensor.zero_()
         self.micro_batches_in_window = 0
+        self.save_due = save_votes > 0
         return stop_votes > 0
 
     def _skip(self, ni: int, what: str) -> None:
@@ -254,10 +269,11 @@ class Engine:
         if self.window_buffers is not None:  # None: a window of micro-steps alone, as tests drive the engine
             self.window_buffers.put_back()
         self.skipped.append(ni)
-        scale = self.scaler.get_scale() if self.amp else 1.0  # after update(): halved if it overflowed
-        if not (self.amp and what == "gradient" and scale >= AMP_SCALE_FLOOR):
+        scaled = self.scaler.is_enabled()
+        scale = self.scaler.get_scale() if scaled else 1.0  # after update(): halved if it overflowed
+        if not (scaled and what == "gradient" and scale >= AMP_SCALE_FLOOR):
             self.skipped_in_a_row += 1
-        amp = f"; AMP scale now {scale:g}" if self.amp else ""
+        amp = f"; AMP scale now {scale:g}" if scaled else ""
         self.log(f"iteration {ni}: non-finite {what}, window skipped ({len(self.skipped)} so far{amp})")
 
     def open_window(self) -> dict[str, Any] | None:
@@ -281,7 +297,8 @@ class Engine:
             p.grad = None if g is None else torch.empty_like(p).copy_(g)  # empty_like: the parameter's layout
             if p.grad is not None and rescale != 1.0:
                 p.grad.mul_(rescale)
-        self.window_counts.tensor.copy_(window["counts"])
+        counts = window["counts"]  # a last.pt from before the save votes' slot holds one number fewer, all counts
+        self.window_counts.tensor[: len(counts)].copy_(counts)
         self.window_buffers = Kept(self.raw_model, [b.to(self.ctx.device) for b in window["buffers"]])
         self.micro_batches_in_window = window["micro_batches"]
         self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it

@@ -63,7 +63,7 @@ class PreciseBN:
 
     def recompute(self, t: Trainer) -> None:
         self.draw(t)
-        self.batch = precise_bn.recompute_images(t.ema.ema, self.images, t.ctx, self.batch)
+        self.batch = precise_bn.recompute_images(t.ema.ema, self.images, t.ctx, self.batch, t.frozen)
 
 
 def gather_rank_states(t: Trainer, end: EpochEnd) -> None:

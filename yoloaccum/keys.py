@@ -11,8 +11,12 @@ class Keys:
     model: str
     data: str | None
     pretrained: bool | str
+    cls_remap: bool
+    freeze: int | list | None
     trust_weights: bool
     epochs: int
+    time: float | None
+    save_minutes: float
     patience: int
     batch: int | float
     nbs: int
@@ -23,6 +27,9 @@ class Keys:
     cache: bool | str
     fraction: float
     single_cls: bool
+    classes: int | list | None
+    rect: bool
+    multi_scale: float
     project: str | None
     name: str | None
     exist_ok: bool
@@ -31,7 +38,7 @@ class Keys:
     save_period: int
     seed: int
     deterministic: bool
-    amp: bool
+    amp: bool | str
     channels_last: bool
     compile: bool | str
     grad_checkpointing: bool

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import types
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from yoloaccum import checkpoint
+from yoloaccum import checkpoint, freeze
 from yoloaccum.buffers import Kept, kept
 from yoloaccum.config import Config
 from yoloaccum.data import DatasetSpec
@@ -33,45 +34,67 @@ def resolve_yaml(name: str) -> str:
     return name
 
 
+# Ultralytics' released detection weights, which `yolo train model=yolo26n.pt` downloads by name.
+_RELEASED = re.compile(r"^(yolov?\d+[a-z]*|rtdetr-[a-z]+)(-[a-z0-9]+)?\.pt$", re.IGNORECASE)
+
+
+def load_weights(path: str, trust: bool) -> nn.Module:
+    """The fp32 model of a local .pt; a released name that is not on disk says where to get it."""
+    if not Path(path).exists() and _RELEASED.match(path):
+        raise UserError(
+            f"{path} is not here, and yoloaccum downloads nothing: download it from Ultralytics' releases "
+            f"(https://github.com/ultralytics/assets/releases, or `yolo predict model={path}` on a machine with "
+            f"ultralytics and a network) and give its path, e.g. model=weights/{path}"
+        )
+    return checkpoint.model_of(checkpoint.load(path, trust))
+
+
 def build(cfg: Config, spec: DatasetSpec, verbose: bool = False, announce: bool = True) -> nn.Module:
-    """The model to train: from cfg.model (YAML or .pt), sized for the dataset, with cfg.pretrained weights loaded."""
+    """The model to train: from cfg.model (YAML or .pt), sized for the dataset, with cfg.pretrained weights loaded
+    as Ultralytics loads them (DetectionModel.load: what matches by name and shape, the class head's hidden layers
+    at the source's width, and with cls_remap its rows for classes of the same name)."""
     from ultralytics.nn.tasks import DetectionModel
 
     source, source_path = None, None
     if str(cfg.model).endswith(".pt"):
-        source, source_path = checkpoint.model_of(checkpoint.load(cfg.model, cfg.trust_weights)), cfg.model
+        source, source_path = load_weights(cfg.model, cfg.trust_weights), cfg.model
         model = DetectionModel(source.yaml, nc=spec.nc, verbose=verbose)
         if cfg.pretrained is False:  # as Ultralytics: the .pt's architecture, trained from scratch
             source = None
     else:
         model = DetectionModel(resolve_yaml(cfg.model), nc=spec.nc, verbose=verbose)
-    model.names = dict(spec.names)
     model.args = ultralytics_args(cfg)  # the loss reads its gains (box, cls, dfl) and epochs from here
     if isinstance(cfg.pretrained, str):
-        source, source_path = checkpoint.model_of(checkpoint.load(cfg.pretrained, cfg.trust_weights)), cfg.pretrained
+        source, source_path = load_weights(cfg.pretrained, cfg.trust_weights), cfg.pretrained
+    # Before loading: with cls_remap the class rows follow the names (placeholder names match nothing)
+    model.names = dict(spec.names) if cfg.cls_remap else {i: str(i) for i in range(spec.nc)}
     if source is not None:
-        matched, total = load_matching(model, source)
+        matched, total = load_pretrained(model, source)
         if not matched:
             raise UserError(f"no tensor of {source_path} matches {cfg.model}; check the architecture")
         if announce:
-            print(f"pretrained: transferred {matched}/{total} tensors from {source_path}")
+            classes = "" if len(source.names) == spec.nc else f" ({len(source.names)} classes -> {spec.nc})"
+            print(f"pretrained: transferred {matched}/{total} tensors from {source_path}{classes}")
+    model.names = dict(spec.names)
     return model
 
 
-def load_matching(model: nn.Module, source: nn.Module) -> tuple[int, int]:
-    """Copy every tensor whose name and shape match; returns (matched, tensors in model)."""
-    own = model.state_dict()
-    theirs = {k: v for k, v in source.state_dict().items() if k in own and v.shape == own[k].shape}
-    model.load_state_dict(theirs, strict=False)
-    return len(theirs), len(own)
+def load_pretrained(model: nn.Module, source: nn.Module) -> tuple[int, int]:
+    """Ultralytics' transfer of source's weights into model (DetectionModel.load); returns (tensors of model that
+    source has by name and shape, tensors of model)."""
+    model.load(source, verbose=False)
+    theirs, own = source.state_dict(), model.state_dict()
+    return sum(k in theirs and theirs[k].shape == v.shape for k, v in own.items()), len(own)
 
 
-def set_bn_mode(model: nn.Module, bn: str) -> None:
-    """bn=frozen: BatchNorm layers normalise with, and keep, their running statistics; their affine still trains."""
+def set_bn_mode(model: nn.Module, bn: str, frozen: tuple[str, ...] = ()) -> None:
+    """After model.train(): with bn=frozen every BatchNorm layer, and those of the layers freeze= froze in any mode,
+    normalise with and keep their running statistics (bn=frozen's affine still trains)."""
     if bn == "frozen":
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
+    freeze.keep_statistics(model, frozen)
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

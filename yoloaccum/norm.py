@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yoloaccum import backoff
+from yoloaccum import backoff, freeze
 from yoloaccum.batches import model_input
 from yoloaccum.errors import UserError
 
@@ -184,30 +184,36 @@ class WindowStatistics:
         """Set every layer's window statistics to those of the images of `batches` (loader batches, whose "img" the
         micro-steps may already have made the model's input: a back-off runs the pass again)."""
         device = self.layers[0].running_mean.device
-        imgs = torch.cat([model_input(b["img"], device) for b in batches])
+        # multi_scale= gives a window's micro-batches different sizes: each size is its own forward, and the sums
+        # over all of them make the window's statistics as the micro-steps will see its images
+        imgs = [model_input(b["img"], device) for b in batches]
         if self.images:
-            imgs = imgs[: self.images]
+            imgs = _first(imgs, self.images)
+        if len({x.shape[1:] for x in imgs}) == 1:
+            imgs = [torch.cat(imgs)]
+        largest = max(len(x) for x in imgs)
         while True:
             try:  # eager: compile=True compiled the training forward, and the pass is not worth its own graphs
-                with torch.compiler.set_stance("force_eager"), torch.autocast(device.type, dtype=self.amp_dtype,
-                                                                              enabled=self.amp):  # fmt: skip
+                autocast = torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp)
+                with torch.compiler.set_stance("force_eager"), autocast:
                     self._pass(imgs)
                 return
             except RuntimeError as e:
-                if not backoff.is_out_of_memory(e) or self._chunk(len(imgs)) == 1:
+                if not backoff.is_out_of_memory(e) or self._chunk(largest) == 1:
                     raise
-                self.chunk = self._chunk(len(imgs)) // 2
+                self.chunk = self._chunk(largest) // 2
                 torch.cuda.empty_cache()
 
     def _chunk(self, n: int) -> int:
         return min(self.chunk or n, n)
 
-    def _pass(self, imgs: torch.Tensor) -> None:
+    def _pass(self, imgs: list[torch.Tensor]) -> None:
         for layer in self.layers:
             layer._start()
         try:
-            for part in imgs.split(self._chunk(len(imgs))):
-                self.model(part)
+            for same_size in imgs:
+                for part in same_size.split(self._chunk(len(same_size))):
+                    self.model(part)
         except BaseException:
             for layer in self.layers:
                 layer._sums = None
@@ -216,11 +222,27 @@ class WindowStatistics:
             layer._finish()
 
 
-def convert(model: nn.Module) -> int:
-    """Replace every BatchNorm2d in model by a WindowBatchNorm2d, in place, sharing parameters and running statistics.
-    Returns how many were replaced; a model without BatchNorm is a user error."""
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.BatchNorm2d]  # fmt: skip
+def _first(imgs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The first n images of a list of image batches, as a list of batches."""
+    out = []
+    for x in imgs:
+        if n <= 0:
+            break
+        out.append(x[:n])
+        n -= len(x)
+    return out
+
+
+def convert(model: nn.Module, frozen: tuple[str, ...] = ()) -> int:
+    """Replace every BatchNorm2d in model by a WindowBatchNorm2d, in place, sharing parameters and running statistics;
+    those of layers freeze= froze stay as they are (they keep their running statistics). Returns how many were
+    replaced; a model without BatchNorm is a user error."""
+    found = [
+        (parent, name, child)
+        for parent_name, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.BatchNorm2d and not freeze.is_frozen(f"{parent_name}.{name}", frozen)
+    ]
     if not found:
         raise UserError("bn=window needs BatchNorm2d layers, and this model has none; use bn=batch")
     for parent, name, child in found:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,12 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
     # `plan images=N` answers at once
     images = next((a.split("=", 1)[1] for a in args if a.startswith("images=")), None)
     cfg = config.resolve([a for a in args if not a.startswith("images=")])
+    if plot_path and not plot_path.parent.is_dir():
+        raise UserError(
+            f"--plot {plot_path}: the folder {plot_path.parent} does not exist; make it, or give another path"
+        )
+    if note := config.dropped_note(cfg):
+        print(note, file=sys.stderr, flush=True)
     if images is not None:
         if not images.isdigit() or int(images) < 1:
             raise UserError(f"images={images} must be a positive whole number")

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from yoloaccum import backoff, distributed
+from yoloaccum import backoff, distributed, freeze
 from yoloaccum.batches import model_input
 from yoloaccum.buffers import Kept
 from yoloaccum.distributed import Context
@@ -66,18 +66,24 @@ class _Moments:
         self.sums[2] += (var + mean * mean) * count
 
 
-def bn_layers(model: nn.Module) -> list[_BN]:
-    return [m for m in model.modules() if isinstance(m, _BN) and m.track_running_stats]
+def bn_layers(model: nn.Module, frozen: tuple[str, ...] = ()) -> list[_BN]:
+    """The BatchNorm layers whose statistics are recomputed: all but those of layers freeze= froze."""
+    return [
+        m
+        for n, m in model.named_modules()
+        if isinstance(m, _BN) and m.track_running_stats and not freeze.is_frozen(n, frozen)
+    ]
 
 
 @torch.no_grad()
-def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -> int:
-    """Set every BatchNorm layer's running statistics to those of all images in `batches`, summed over ranks.
+def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context, frozen: tuple[str, ...] = ()) -> int:
+    """Set every BatchNorm layer's running statistics to those of all images in `batches`, summed over ranks; those
+    of the layers freeze= froze (`frozen`) keep theirs.
 
     `batches` yields model inputs (float, on ctx.device). Every rank must call this together: one all-reduce of all
     layers' sums follows the pass. Returns the number of images seen by this rank. The model's modes are restored.
     """
-    layers = bn_layers(model)
+    layers = bn_layers(model, frozen)
     if not layers:
         return 0
     moments = [_Moments(layer) for layer in layers]
@@ -112,14 +118,16 @@ def recompute(model: nn.Module, batches: Iterable[torch.Tensor], ctx: Context) -
     return num_images
 
 
-def recompute_images(model: nn.Module, images: torch.Tensor, ctx: Context, batch: int = BATCH) -> int:
+def recompute_images(
+    model: nn.Module, images: torch.Tensor, ctx: Context, batch: int = BATCH, frozen: tuple[str, ...] = ()
+) -> int:
     """recompute over `images` (this rank's, uint8 NCHW on the host) in micro-batches of `batch` images, halved on
     out-of-memory until a pass fits. Returns the micro-batch that fitted, to start from next time. A rank that backs
     off reaches the all-reduce after the pass later, never a different one, so the ranks stay matched."""
     while True:
         try:
             parts = images.split(batch) if len(images) else ()  # a rank with no images still joins the all-reduce
-            recompute(model, (model_input(x, ctx.device) for x in parts), ctx)
+            recompute(model, (model_input(x, ctx.device) for x in parts), ctx, frozen)
             return batch
         except RuntimeError as e:
             if not backoff.is_out_of_memory(e) or batch == 1:

@@ -13,7 +13,7 @@ import cv2
 
 from yoloaccum import checkpoint, config
 from yoloaccum.data import IMG_SUFFIXES
-from yoloaccum.distributed import cuda_ids, select_device
+from yoloaccum.distributed import select_device
 from yoloaccum.errors import UserError
 from yoloaccum.runs import next_free
 
@@ -47,7 +47,7 @@ def run(args: list[str]) -> list[dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     imgsz = model.args.get("imgsz", cfg.imgsz) if isinstance(model.args, dict) else cfg.imgsz
     overrides = {"conf": cfg.conf or 0.25, "iou": cfg.iou, "max_det": cfg.max_det, "imgsz": imgsz, "save": False,
-                 "verbose": False, "device": "cpu" if not cuda_ids(cfg.device) else str(device.index)}  # fmt: skip
+                 "verbose": False, "device": "cpu" if device.type == "cpu" else str(device.index)}  # fmt: skip
     predictor = DetectionPredictor(overrides=overrides)
     records = []
     for f, result in zip(files, predictor(source=[str(f) for f in files], model=model, stream=True)):

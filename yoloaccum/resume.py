@@ -34,6 +34,8 @@ MAY_CHANGE = {
     "project",
     "name",
     "exist_ok",
+    "time",  # a new budget for the time left: epochs are re-estimated from it, as Ultralytics does
+    "save_minutes",
 }  # fmt: skip  (project/name only find the run for resume=True)
 
 # Keys added with a default that changes what a run computes: the value that reproduces a run saved before them.
@@ -79,14 +81,17 @@ def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
     return Config({**added, **saved}).replace(**{**changes, "resume": str(path)}), ckpt, path
 
 
-def resumed_schedule(state: dict[str, Any], built: Schedule, nc: int) -> Schedule:
+def resumed_schedule(state: dict[str, Any], built: Schedule, nc: int, follow_epochs: bool = True) -> Schedule:
     """The schedule a resumed run follows: the one it began with (optimizer=auto's choice, lr0, warmup), on this run's
-    devices, and with the lr decay rebuilt when epochs changed. `built` is the schedule of the resumed config."""
+    devices, and with the lr decay rebuilt when epochs changed. `built` is the schedule of the resumed config.
+    follow_epochs=False (time=): the epochs the run had, which the trainer re-estimates from the time left."""
     if saved := state.get("schedule"):
         planned = Schedule(**{**saved, "num_images": built.num_images, "world_size": built.world_size})
     else:  # a checkpoint from before schedules were saved: its config gives the schedule it began with
         planned = schedule.build(Config(state["config"]), built.num_images, built.world_size, nc)
-    return planned if built.epochs == planned.epochs else schedule.extend(planned, built.epochs)
+    if built.epochs == planned.epochs or not follow_epochs:
+        return planned
+    return schedule.extend(planned, built.epochs)
 
 
 def extension_note(state: dict[str, Any], cfg: Config) -> str | None:

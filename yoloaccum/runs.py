@@ -7,6 +7,7 @@ import ctypes
 import gc
 import os
 import random
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -78,10 +79,17 @@ class RunDir:
 
     path: Path
     console: Console = field(default_factory=lambda: Console(soft_wrap=True))  # logs keep whole lines
+    created: bool = False  # made by this run, not reused (exist_ok) or reopened (resume)
 
     @classmethod
     def create(cls, cfg: Config) -> RunDir:
-        path = next_free(Path(cfg.project or "runs/train") / (cfg.name or "exp"), cfg.exist_ok)
+        project = Path(cfg.project or "runs/train")
+        name = cfg.name or "exp"
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise UserError(f"name={name} would put the run outside project={project}; give a plain name such as "
+                            f"name=exp, and choose the folder with project=")  # fmt: skip
+        path = next_free(project / name, cfg.exist_ok)
+        created = not path.exists()
         try:
             (path / "weights").mkdir(parents=True, exist_ok=True)
             probe = path / ".write_test"
@@ -89,7 +97,7 @@ class RunDir:
             probe.unlink()
         except OSError as e:
             raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
-        run = cls(path)
+        run = cls(path, created=created)
         run.write_args(cfg)
         for log in ("results.csv", "schedule.csv"):
             (path / log).unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
@@ -101,6 +109,11 @@ class RunDir:
         if not (path / "weights").is_dir():
             raise UserError(f"{path} is not a run folder (no weights/ in it); resume needs a run's weights/last.pt")
         return cls(path)
+
+    def discard(self) -> None:
+        """Remove the folder of a run that failed before it trained, if this run made it."""
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def write_args(self, cfg: Config) -> None:
         """args.yaml: the run's settings (again when a resume extends its epochs)."""

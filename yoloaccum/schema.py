@@ -25,7 +25,7 @@ DEFAULT_CFG = next(
 _LINE = re.compile(
     r"^(?P<key>[a-z_0-9]+):(?P<value>[^#]*)#\s*\((?P<type>[a-z |]+)(?P<rules>(;[^)]*)?)\)\s*(?P<help>.*)$"
 )
-_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "list": list}
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,13 @@ def schema() -> dict[str, Key]:
 
 def type_names(types: tuple[type, ...]) -> str:
     """The types as an error message names them: "an integer or text"."""
-    names = {bool: "true/false", int: "an integer", float: "a number", str: "text"}
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "text", list: "a list"}
     return " or ".join(names[t] for t in types)
 
 
 def typed_view() -> str:
     """keys.py's text: every key of default.yaml as a typed attribute of Keys."""
-    names = {bool: "bool", int: "int", float: "float", str: "str"}
+    names = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}
     lines = []
     for k in schema().values():
         kind = " | ".join(names[t] for t in k.types) + (" | None" if k.default is None else "")

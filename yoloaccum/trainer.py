@@ -18,10 +18,24 @@ from typing import Any
 
 import torch
 
-from yoloaccum import checkpoint, compiler, components, distributed, epoch_end, faults, plots, precise_bn, resume, state
+from yoloaccum import (
+    checkpoint,
+    compiler,
+    components,
+    distributed,
+    epoch_end,
+    faults,
+    multiscale,
+    plots,
+    precise_bn,
+    resume,
+    state,
+)
 from yoloaccum import model as model_
+from yoloaccum import schedule as schedule_
+from yoloaccum.clock import RunClock
 from yoloaccum.components import Parts
-from yoloaccum.config import Config, resolve
+from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
@@ -58,6 +72,7 @@ class Trainer(Parts):
         self.compiled: compiler.Compiled | None = None  # compile=: compiled at the start of train()
         self.drawing: plots.Background | None = None  # labels.jpg, drawn in the background
         self.precise_bn = epoch_end.PreciseBN()
+        self.clock = RunClock(None, 0)  # time= and save_minutes=: started with train()
         self.epoch_end = epoch_end.steps(self)
         if ckpt is not None:
             state.restore(self, ckpt)
@@ -68,37 +83,77 @@ class Trainer(Parts):
 
     def train(self) -> dict[str, float]:
         """Run the remaining epochs; returns the final metrics (best.pt's, as Ultralytics' final_eval)."""
-        s, cfg = self.schedule, self.cfg
+        cfg = self.cfg
         self._announce()
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
             self._compile()
         self.train_start = time.perf_counter()
+        self.clock = RunClock(cfg.time, cfg.save_minutes, is_main=self.ctx.is_main)
         bounded = distributed.bounded(self.ctx, lambda: self.engine.ni, cfg.ddp_timeout)  # a hung rank: named
         with GracefulStop() as stop_signal, frozen_heap(), bounded, self._closing_steps():
+
+            def should_stop() -> bool:  # a signal, or time= spent
+                return stop_signal() or self.clock.over_time()
+
             if self.run and cfg.plots and self.position == (0, 0):  # drawn while the first epoch trains
                 self.drawing = plots.Background(plots.labels, self.train_set, self.spec.names, self.run.path)
             epoch, start = self.position
+            first_epoch = epoch
             while True:
+                s = self.schedule  # time= re-estimates its epochs after each epoch
                 if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
                     self._close_mosaic()
-                result, images_per_second = self.train_epoch(epoch, start, stop_signal)
+                result, images_per_second = self.train_epoch(epoch, start, should_stop)
                 ended = None
                 if result.done < s.batches_per_epoch:  # stopped inside the epoch, at a window boundary
                     self.save_position(epoch, result.done)
                 else:
                     self.loss.end_epoch()
+                    if cfg.time:  # before the epoch's end steps, which ask whether it was the last
+                        self._fit_epochs_to_time(epoch + 1, epoch + 1 - first_epoch)
                     ended = self.end_epoch(epoch, images_per_second)
                     # A signal after the epoch's last window (during validation, say) stops here, last.pt just saved,
                     # rather than after one more window.
-                    if ended is None and result.stopped is None and self._agree(stop_signal()):
+                    if ended is None and result.stopped is None and self._agree(should_stop()):
                         result = EpochResult(result.done, "interrupted")
                 if reason := stop_reason(result.stopped, ended):
                     break
                 epoch, start = epoch + 1, 0
         distributed.barrier(self.ctx)
-        if reason in {"diverged", "interrupted"}:
+        if reason == "interrupted" and cfg.time and not self._agree(stop_signal()):
+            self._say_time_spent(epoch, result.done)  # time= ends a run as its last epoch would: best.pt validated
+        elif reason in {"diverged", "interrupted"}:
             self._raise_stopped(reason, stop_signal)
         return self.final_eval()
+
+    def _fit_epochs_to_time(self, epochs_done: int, epochs_done_here: int) -> None:
+        """time=: as many epochs as the time left holds at this process's mean epoch time, as Ultralytics' trainer
+        re-estimates them; the lr decay follows the new count. Rank 0's estimate is every rank's."""
+        estimate = self.clock.epochs_for_budget(epochs_done, epochs_done_here) if self.ctx.is_main else 0
+        flag = torch.tensor([float(estimate)], device=self.ctx.device)
+        epochs = int(distributed.all_reduce_sum(flag, self.ctx).item())
+        if epochs != self.schedule.epochs:
+            self.schedule = self.engine.schedule = schedule_.extend(self.schedule, epochs)
+
+    def _say_time_spent(self, epoch: int, done: int) -> None:
+        if self.run is None:
+            return
+        s, last = self.schedule, self.run.weights / "last.pt"
+        where = (
+            f"in epoch {epoch + 1}/{s.epochs} at micro-batch {done}"
+            if done < s.batches_per_epoch
+            else (f"after epoch {epoch + 1}/{s.epochs}")
+        )
+        self.run.console.print(
+            f"time={self.cfg.time:g} hours spent: stopped {where}; to train on, yoloaccum train resume={last} "
+            f"time=HOURS"
+        )
+
+    def _save_now(self, epoch: int, done: int) -> None:
+        """save_minutes=: last.pt at this window boundary, every rank together; training goes on."""
+        self._flush_steps()
+        self.save_position(epoch, done)
+        self.clock.saved()
 
     @contextmanager
     def _closing_steps(self) -> Iterator[None]:
@@ -144,10 +199,10 @@ class Trainer(Parts):
 
     def train_epoch(self, epoch: int, start: int, should_stop) -> tuple[EpochResult, float]:
         """The epoch's micro-batches from `start` on, through the engine; also images per second over all devices."""
-        s = self.schedule
+        s, cfg = self.schedule, self.cfg
         self.loader.batch_sampler.set_epoch(epoch, start)
         self.engine.model.train()
-        model_.set_bn_mode(self.engine.model, self.cfg.bn)
+        model_.set_bn_mode(self.engine.model, cfg.bn, self.frozen)
         progress = EpochProgress(epoch, s.epochs, s.batches_per_epoch, self.loss_names, self.cfg.log_every,
                                  self.ctx.device, enabled=self.run is not None)  # fmt: skip
 
@@ -160,16 +215,30 @@ class Trainer(Parts):
         if self.run and self.plot_at:
             batches = plots.train_batches(batches, epoch * s.batches_per_epoch + start, self.plot_at, self.run.path,
                                           self.spec.names)  # fmt: skip
+        if cfg.multi_scale:  # where batches leave the loader: bn=window's pass sees the sizes the micro-steps train
+            batches = multiscale.resized(batches, cfg.imgsz, cfg.multi_scale, cfg.seed, epoch, start, self.ctx.device)
         try:
-            result = self.engine.train_epoch(epoch, batches, on_micro_step, start, should_stop)
+            result = self.engine.train_epoch(
+                epoch,
+                batches,
+                on_micro_step,
+                start,
+                should_stop,
+                should_save=self.clock.save_due,
+                on_save=lambda done: self._save_now(epoch, done),
+            )
         finally:
             progress.close()
+        self._flush_steps()
+        self.train_losses = progress.mean_losses()
+        return result, progress.images_per_second() * self.ctx.world_size
+
+    def _flush_steps(self) -> None:
+        """The optimizer steps the engine took since the last flush, into schedule.csv (and epoch_steps)."""
         self.epoch_steps = list(self.engine.history)
         self.engine.history.clear()
         if self.steps:
-            self.steps.append(self.epoch_steps, s.batches_per_epoch)
-        self.train_losses = progress.mean_losses()
-        return result, progress.images_per_second() * self.ctx.world_size
+            self.steps.append(self.epoch_steps, self.schedule.batches_per_epoch)
 
     def _raise_stopped(self, reason: str, stop_signal: GracefulStop) -> None:
         weights = self.run.weights / "last.pt" if self.run else "last.pt"
@@ -259,15 +328,22 @@ def run(args: list[str]) -> dict[str, float]:
     cfg, ckpt, path = resolve(args), None, None
     if cfg.resume:
         cfg, ckpt, path = resume.load(cfg, args)
-    compiler.check(cfg)
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
+    if cfg.rect:
+        raise UserError(
+            "rect=True trains on batches of similar aspect ratio in a fixed order, which yoloaccum does not do: its "
+            "training batches are shuffled by seed and mosaicked, and its validation batches are rectangular "
+            "already; remove rect"
+        )
+    cfg = cfg.replace(device=distributed.resolve_device(cfg.device))  # empty: the first GPU where there is one
+    compiler.check(cfg)
     distributed.relaunch_on_several_devices(cfg, args)  # outside torchrun with device=0,1,...: one process each
     if int(os.environ.get("RANK", "0")) == 0:
         if ckpt is not None and (note := resume.extension_note(ckpt["yoloaccum"], cfg)):
             print(note, flush=True)
-        if cfg.ignored:
-            print(f"ignoring Ultralytics settings that yoloaccum does not use: {', '.join(cfg.ignored)}", flush=True)
+        if note := dropped_note(cfg):
+            print(note, flush=True)
     trainer = Trainer.from_config(cfg, ckpt, path)
     try:
         metrics = trainer.train()

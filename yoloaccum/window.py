@@ -17,14 +17,15 @@ if TYPE_CHECKING:
 
 class WindowCounts:
     """What a window sums on the device and all-reduces once at its end, as one tensor with named views:
-    [images, target-score sum per loss branch..., non-finite losses, stop votes]."""
+    [images, target-score sum per loss branch..., non-finite losses, stop votes, save votes]."""
 
     def __init__(self, num_branches: int, device: torch.device):
-        self.tensor = torch.zeros(num_branches + 3, device=device)
+        self.tensor = torch.zeros(num_branches + 4, device=device)
         self.normaliser = self.tensor[: num_branches + 1]  # images, then per-branch sums: what the loss divides by
         self.images = self.tensor[:1]
         self.non_finite_losses = self.tensor[num_branches + 1 : num_branches + 2]
-        self.stop_votes = self.tensor[num_branches + 2 :]  # ranks asked to stop (a signal) in this window
+        self.stop_votes = self.tensor[num_branches + 2 : num_branches + 3]  # ranks asked to stop (a signal, time=)
+        self.save_votes = self.tensor[num_branches + 3 :]  # ranks asking for last.pt now (save_minutes=)
 
 
 @dataclass(frozen=True)
