@@ -51,6 +51,9 @@ def folder(tmp_path_factory) -> Path:
     (folder / "afile").write_text("a regular file, so afile/sub cannot be a folder (chmod does not stop root)")
     assert cv2.imwrite(str(folder / "image.png"), np.full((64, 64, 3), 128, np.uint8))
     torch.save({"ema": Evil(folder / MARKER)}, folder / "evil.pt")
+    (folder / "binary.yaml").write_bytes(bytes(range(256)))  # a picture or a .pt given where a YAML belongs
+    torch.save({"ema": torch.nn.Linear(2, 2)}, folder / "whole.pt")
+    (folder / "corrupt.pt").write_bytes((folder / "whole.pt").read_bytes()[:200])  # a copy cut short
     return folder
 
 
@@ -129,6 +132,32 @@ BAD_INPUT = [
                  CRAFTED, id="predict-crafted-pickle"),
     pytest.param(train("pretrained={folder}/evil.pt"), CRAFTED, id="train-pretrained-crafted-pickle"),
     pytest.param(train("model={folder}/evil.pt"), CRAFTED, id="train-model-crafted-pickle"),
+    # issue 46: what a user coming from `yolo train` gave, and what it got before
+    pytest.param(train("cfg={folder}/binary.yaml"), ("{folder}/binary.yaml is not a text file", "give a YAML file"),
+                 id="cfg-binary"),
+    pytest.param(train("data={folder}/binary.yaml"), ("{folder}/binary.yaml is not a text file",), id="data-binary"),
+    pytest.param(("plan", "images=100", "--plot", "{folder}/nowhere/s.png"),
+                 ("the folder {folder}/nowhere does not exist",), id="plan-plot-folder-missing"),
+    pytest.param(train("cache=foo"), ("cache=foo is not true/false or one of ram, disk",), id="cache-unknown"),
+    pytest.param(train("name=../../x"), ("name=../../x would put the run outside project=",), id="name-leaves-project"),
+    pytest.param(train("lrf=2"), ("lrf=2.0 must be between 0 and 1",), id="lrf-above-1"),
+    pytest.param(train("momentum=1.5"), ("momentum=1.5 must be between 0 and 1",), id="momentum-above-1"),
+    pytest.param(train("model={folder}/corrupt.pt"), ("corrupt.pt is not a readable PyTorch checkpoint",),
+                 id="corrupt-pt"),
+    pytest.param(train("--batch=8"), ("--batch=8: settings are key=value without dashes", ": batch=8"),
+                 id="dashed-key"),
+    pytest.param(("train", "--batch", "8"), ("No such option: --batch", "see yoloaccum train --help"),
+                 id="unknown-option"),
+    pytest.param(train("model=yolo26n.pt"), ("yolo26n.pt is not here, and yoloaccum downloads nothing",
+                                             "give its path"), id="released-weights-not-here"),
+    pytest.param(train("device=mps"), ("not Apple's MPS; use device=cpu",), id="mps"),
+    pytest.param(train("rect=True"), ("rect=True trains on batches of similar aspect ratio",), id="rect"),
+    pytest.param(train("freeze=[99]"), ("freeze=[99]: 99 names no layer of the model",), id="freeze-no-such-layer"),
+    pytest.param(train("freeze=100"), ("freeze=100 freezes the whole model",), id="freeze-everything"),
+    pytest.param(train("classes=[7]"), ("classes=[7]:", "has class ids 0 to 3, not 7"), id="classes-out-of-range"),
+    pytest.param(train("dropout=0.1"), ("'dropout' is an Ultralytics setting", "classification models only"),
+                 id="classification-only-key"),
+    pytest.param(train("batch=None"), ("batch=None is not an integer",), id="none-for-a-number"),
 ]  # fmt: skip
 
 
@@ -146,6 +175,25 @@ def check_one_line(r, phrases: tuple, inputs: Inputs, folder: Path) -> None:
 def test_bad_input_exits_2_with_one_line(request, cli_in_process, folder: Path, args: tuple, phrases: tuple) -> None:
     inputs = Inputs(request)
     check_one_line(cli_in_process(*(a.format_map(inputs) for a in args)), phrases, inputs, folder)
+
+
+def test_a_run_that_fails_before_training_leaves_no_folder(cli_in_process, folder: Path, data: Path) -> None:
+    """bn=sync fails where the engine is built, after the run folder was made: the folder goes with the run."""
+    project = folder / "failed_runs"
+    for _ in range(2):
+        r = cli_in_process("train", f"data={data}", *TINY, f"project={project}", "bn=sync")
+        assert r.returncode == 2 and "bn=sync needs several CUDA devices" in r.stderr, r.stderr
+    assert not project.exists() or not any(project.iterdir()), list(project.iterdir())
+
+
+def test_values_ultralytics_takes_are_taken(cli_in_process) -> None:
+    """epochs=1e2 is 100 and lr_scale=None the choice none, as Ultralytics reads them."""
+    r = cli_in_process("cfg", "epochs=1e2", "lr_scale=None", "freeze=0,1,2", "classes=[0,2]", "amp=BF16")
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    assert (cfg["epochs"], cfg["lr_scale"], cfg["freeze"], cfg["classes"], cfg["amp"]) == (
+        100, "none", [0, 1, 2], [0, 2], "bf16"
+    )
 
 
 def test_a_fresh_process_exits_2_with_one_line(request, run_cli, folder: Path) -> None:

@@ -102,3 +102,59 @@ def test_a_cpu_last_pt_resumes_on_cuda_with_amp(tmp_path, run_cli):
     r = run_cli("train", f"resume={tmp_path / 'cpu/weights/last.pt'}", "epochs=2", "device=0", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming with AMP a run that trained without it" in r.stdout
+
+
+def test_an_empty_device_takes_the_first_gpu_where_there_is_one(two_gpus):
+    """As Ultralytics: device unset trains on CUDA where torch sees a GPU, not on the CPU."""
+    assert distributed.resolve_device(None) == "0" and distributed.resolve_device("") == "0"
+    assert distributed.setup(None).device == torch.device("cuda", 0)
+
+
+def test_an_empty_device_under_torchrun_gives_each_local_rank_its_gpu(two_gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert distributed.resolve_device("") == "0,1"
+    assert distributed.select_device("", local_rank=1) == torch.device("cuda", 1)
+
+
+def test_an_empty_device_without_cuda_is_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.resolve_device("") == "cpu" and distributed.select_device(None) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("given, expected", [("0", "0"), ("cuda:1", "cuda:1"), ("0,1", "0,1"), ("cpu", "cpu")])
+def test_explicit_devices_are_kept(two_gpus, given, expected):
+    assert distributed.resolve_device(given) == expected
+
+
+def test_minus_one_picks_the_least_busy_gpus(two_gpus, monkeypatch):
+    """device=-1 (and -1,-1): the devices with the most free memory, as Ultralytics picks idle GPUs."""
+    free = {0: 1 << 30, 1: 5 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 8 << 30))
+    assert distributed.resolve_device("-1") == "1"
+    assert distributed.resolve_device("-1,-1") == "0,1"
+    with pytest.raises(UserError, match="asks for 3 CUDA device"):
+        distributed.resolve_device("-1,-1,-1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="under torchrun: list the devices"):
+        distributed.resolve_device("-1")
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [("mps", "not Apple's MPS; use device=cpu"), ("0,-1", "not both"), ("gpu", "is not understood")],
+)
+def test_devices_that_cannot_run_say_so_in_one_line(given, message):
+    with pytest.raises(UserError, match=message):
+        distributed.resolve_device(given)
+
+
+def test_the_run_names_the_cpu_in_its_first_lines(cli_in_process, tmp_path):
+    """On this machine the README's commands, which give no device, train on the CPU and say so."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    data = shapes_yaml(tmp_path, num_train=4, num_val=2)
+    args = ("imgsz=64", "epochs=1", "batch=4", "nbs=4", "plots=False", "val=False", "precise_bn=0")
+    r = cli_in_process("train", f"data={data}", *args, f"project={tmp_path}/runs")
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = next(line for line in r.stdout.splitlines() if line.startswith("yoloaccum "))
+    assert "on 1 × cpu" in first

@@ -124,13 +124,12 @@ def load_recipe(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     # An empty value (`model:` in a copy of Ultralytics' default.yaml) means "not set", not "set to nothing".
     values = {k: v for k, v in values.items() if v is not None or k not in ours or ours[k].default is None}
     dropped = {k: v for k, v in values.items() if k not in ours and unsupported_reason(k)}
-    ignored = [
-        f"{k} ({unsupported_reason(k)})"
-        for k, v in dropped.items()
-        if k not in RUN_KEYS and (k not in UNSUPPORTED or v != ultra.get(k))
-    ]
-    if run_keys := [k for k in dropped if k in RUN_KEYS and k != "cfg"]:
-        ignored.insert(0, f"{', '.join(run_keys)} (they describe a run, not a recipe)")
+    listed = [k for k, v in dropped.items() if k != "cfg" and (k not in UNSUPPORTED or v != ultra.get(k))]
+    by_reason: dict[str, list[str]] = {}
+    for k in listed:
+        reason = "they describe a run, not a recipe" if k in RUN_KEYS else unsupported_reason(k)
+        by_reason.setdefault(reason, []).append(k)
+    ignored = [f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items()]
     kept = {k: v for k, v in values.items() if k not in dropped}
     return _check_keys(kept, f"key in {path}"), ignored
 

@@ -177,6 +177,12 @@ class Trainer(Parts):
             self.run.console.print(f"mosaic: each image's partners come from the last {pool} images loaded, as a real "
                                    f"batch of {s.effective_batch} draws them (mosaic_buffer=window; sized by the "
                                    f"micro-batch, as Ultralytics does, it would be {theirs})")  # fmt: skip
+        if self.frozen:
+            layers = _layer_list(self.frozen)
+            self.run.console.print(
+                f"freeze={cfg.freeze}: layers {layers} frozen: no gradient, no update, and their BatchNorm statistics "
+                "kept as loaded" + (" (bn=window and precise_bn leave them alone)" if self.bn == "window" else "")
+            )
         chosen = f"bn=auto chose bn={self.bn} for {s.micro_batch} images per device" if cfg.bn == "auto" else ""
         if self.bn == "window":
             window = s.effective_batch // self.ctx.world_size
@@ -353,6 +359,14 @@ def run(args: list[str]) -> dict[str, float]:
         return metrics
     finally:
         distributed.cleanup()
+
+
+def _layer_list(frozen: tuple[str, ...]) -> str:
+    """freeze's prefixes as a user reads them: "0-9", or "0, 2, 23.cv2"."""
+    names = [p.removeprefix("model.").rstrip(".") for p in frozen]
+    if all(n.isdigit() for n in names) and [int(n) for n in names] == list(range(len(names))) and len(names) > 2:
+        return f"0-{len(names) - 1}"
+    return ", ".join(names)
 
 
 def stop_reason(stopped: str | None, ended: str | None) -> str | None:
