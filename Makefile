@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test numerics test-fast lint format clean bench bench-defaults bench-precise-bn bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity pretrain
+.PHONY: install train test numerics test-fast lint format clean bench bench-defaults bench-precise-bn bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity pretrain fidelity-finetune
 
 install: $(STAMP)
 
@@ -88,3 +88,8 @@ fidelity: install
 # 224 px (about an hour on 2 CPU cores), kept outside git in ~/.cache/yoloaccum/pretrained with its SHA-256 and mAP.
 pretrain: install
 	$(BIN)/python benchmarks/pretrain.py
+
+# Fine-tuning at micro-batches 2 to 8 from make pretrain's checkpoint (made first when missing), on BCCD (seeds 0-4)
+# and aquarium (seeds 0-2) from ../shared: benchmarks/records/finetune/. Hours on 2 CPU cores; finished runs are kept.
+fidelity-finetune: install
+	$(BIN)/python benchmarks/fidelity_finetune.py

@@ -40,7 +40,11 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
         if images is not None:
             norm.convert(e.raw_model)
             e.window_statistics = norm.WindowStatistics(e.raw_model, images, amp=e.amp)
-        if compiled and compiler.compile_model(e.raw_model, "default", [micro], imgsz, DEVICE, e.autocast_dtype, print) is None:
+        graphs = [micro]
+        if (
+            compiled
+            and compiler.compile_model(e.raw_model, "default", graphs, imgsz, DEVICE, e.autocast_dtype, print) is None
+        ):
             raise SystemExit("bn_window --compile: the model did not compile (the warning above says why)")
         engines[mode] = e
     batches = on_device(make_batches(per_window * windows, micro, imgsz, seed=0))

@@ -71,6 +71,7 @@ FULL = {"images": 256, "val_images": 64, "imgsz": 160, "epochs": 30}
 # BCCD: 292 training and 72 validation photographs (640x480 JPEGs, decoded by the loader), at a size 2 cores afford
 BCCD = {"dataset": "bccd", "imgsz": 256, "epochs": 60}
 BCCD_YAML = HERE.parents[1] / "shared/datasets/bccd.yaml"
+SHARED_SETS = {name: HERE.parents[1] / f"shared/datasets/{name}.yaml" for name in ("bccd", "aquarium", "hardhat")}
 PRECISE_IMAGES = 256  # at most this many images: the default before precise_bn=auto, kept so the records compare
 # The smoke checks that the benchmark runs, not what a model learns: the tests' tiny model instead of yolo26n.
 SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1, "model": TINY_MODEL}
@@ -98,13 +99,14 @@ def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, fold
     else:
         from ultralytics import YOLO
 
-        YOLO(args.pop("model")).train(**args, project=folder, name=f"run{seed}", exist_ok=True, pretrained=False,
-                                      deterministic=True, device="cpu", verbose=False)  # fmt: skip
+        model = args.pop("model")  # a .pt fine-tunes from its weights, as `yolo train model=w.pt` does
+        YOLO(model).train(**args, project=folder, name=f"run{seed}", exist_ok=True, pretrained=model.endswith(".pt"),
+                          deterministic=True, device="cpu", verbose=False)  # fmt: skip
         run_dir = Path(folder) / f"run{seed}"
     seconds = time.perf_counter() - start
-    precise = min(size.get("images", PRECISE_IMAGES), PRECISE_IMAGES)
-    return {"seconds": seconds, "curve": _curve(run_dir / "results.csv"),
-            **final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], precise)}  # fmt: skip
+    precise = size.get("precise_images") or min(size.get("images", PRECISE_IMAGES), PRECISE_IMAGES)
+    metrics = final_metrics(run_dir / "weights/last.pt", data, size["imgsz"], precise, settings.get("freeze"))
+    return {"seconds": seconds, "curve": _curve(run_dir / "results.csv"), **metrics}
 
 
 def model_of(size: dict) -> str:
@@ -116,20 +118,22 @@ def dataset(size: dict, folder: str) -> Path:
     """The runs' data: BCCD from ../shared, or the shapes set generated with the size's counts."""
     from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
 
-    if size.get("dataset") == "bccd":  # absolute: Ultralytics' trainer resolves a relative path elsewhere
+    if size.get("dataset") in SHARED_SETS:  # absolute: Ultralytics' trainer resolves a relative path elsewhere
         from common import absolute_yaml
 
-        return absolute_yaml(BCCD_YAML)
+        return absolute_yaml(SHARED_SETS[size["dataset"]])
     return shapes_data(folder, smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
                                                     "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
 
 
-def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) -> dict:
-    """Validation metrics of a checkpoint's EMA as trained, then with its BatchNorm statistics recomputed."""
+def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int, freeze=None) -> dict:
+    """Validation metrics of a checkpoint's EMA as trained, then with its BatchNorm statistics recomputed (but those
+    of the layers `freeze` froze, as training's precise_bn keeps them)."""
     import torch
 
     from yoloaccum import checkpoint, config, distributed, precise_bn
     from yoloaccum import data as data_
+    from yoloaccum import freeze as freeze_
     from yoloaccum.validate import Evaluator
 
     cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "precise_bn": precise_images, "workers": 0})
@@ -139,7 +143,8 @@ def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int) ->
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
     out = {"raw": _pick(evaluator.evaluate(model))}
     images = data_.precise_bn_images(cfg, spec, 0, 1)
-    precise_bn.recompute_images(model, images, distributed.Context(0, 0, 1, cpu))  # as the trainer does
+    frozen = freeze_.prefixes(freeze)
+    precise_bn.recompute_images(model, images, distributed.Context(0, 0, 1, cpu), frozen=frozen)  # as the trainer
     out["precise"] = _pick(evaluator.evaluate(model))
     return out
 

@@ -76,3 +76,30 @@ def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path
     row = next(line for line in r.stdout.splitlines() if line.startswith("| smoke |")).split("|")
     seconds = [float(cell.strip().removesuffix("s")) for cell in (row[3], row[4], row[6], row[7])]
     assert all(s > 0 for s in seconds), row
+
+
+def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(tmp_path):
+    """The fine-tuning study in small: a tiny checkpoint fine-tuned by both trainers, kept under its SHA-256."""
+    cmd = [sys.executable, "benchmarks/fidelity_finetune.py", "--smoke", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=REPO, env=scratch_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ((sha, record),) = json.loads((tmp_path / "shapes.json").read_text()).items()
+    assert record["sha256"] == sha and sorted(record["runs"]) == ["b2", "b64", "ultralytics-b2"]
+    table = (tmp_path / "shapes.md").read_text()
+    assert "| b2 | 0 |" in table and "| ultralytics-b2 | 0 |" in table
+
+
+def test_pretrain_finds_its_checkpoint_by_its_hash_and_refuses_an_altered_one(tmp_path, monkeypatch):
+    """make pretrain remakes the checkpoint when it is missing or altered: a file whose SHA-256 is not the
+    recorded one is not taken."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import pretrain
+
+    monkeypatch.setenv("YOLOACCUM_PRETRAINED", str(tmp_path))
+    assert pretrain.record() is None
+    weights = tmp_path / f"{pretrain.NAME}.pt"
+    weights.write_bytes(b"weights")
+    (tmp_path / f"{pretrain.NAME}.json").write_text(json.dumps({"sha256": pretrain.sha256(weights)}))
+    assert pretrain.record() is not None and pretrain.ensure() == weights
+    weights.write_bytes(b"altered")
+    assert pretrain.record() is None

@@ -1,0 +1,180 @@
+"""Fine-tuning at small micro-batches: from the pretrained checkpoint (make pretrain), on real photographs, each way
+of training against a real batch of 64 and against Ultralytics' trainer at the same micro-batch, over paired seeds.
+
+    python benchmarks/fidelity_finetune.py                   # BCCD seeds 0-4, then aquarium seeds 0-2 (hours)
+    python benchmarks/fidelity_finetune.py --data bccd --seeds 0 1 --configs b64 b2 b2-batch
+    python benchmarks/fidelity_finetune.py --report          # rewrite the reports from the kept runs
+    python benchmarks/fidelity_finetune.py --smoke           # a tiny checkpoint and set, into a temporary folder
+
+Each run trains in a fresh process (fidelity.py's train_and_evaluate), then its final EMA is validated with the
+BatchNorm statistics it trained with and with precise ones (precise_bn's, frozen layers kept). Finished runs are kept
+in benchmarks/records/finetune/<data>.json, keyed by the checkpoint's SHA-256 and the settings, so the study goes on
+where it stopped, seed by seed (a stopped study still has complete pairs), and never mixes runs of another
+checkpoint. Cost per image is each run's training and validation seconds over the images it trained, one run at a
+time on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench import fresh  # noqa: E402
+from common import TINY_MODEL  # noqa: E402
+from fidelity import METRICS, SHARED_SETS, paired  # noqa: E402
+
+from yoloaccum.precise_bn import sample_size  # noqa: E402
+
+BACKBONE = 11  # yolo26's backbone is layers 0-10: freeze=11 trains the neck and head on its features
+# name: (trainer, settings beyond the recipe); the order is the order a seed's runs are made in, most telling first
+CONFIGS = {
+    "b64": ("yoloaccum", {"batch": 64}),
+    "b2": ("yoloaccum", {"batch": 2}),
+    "b2-batch": ("yoloaccum", {"batch": 2, "bn": "batch"}),
+    "ultralytics-b2": ("ultralytics", {"batch": 2}),
+    "b4": ("yoloaccum", {"batch": 4}),
+    "b8": ("yoloaccum", {"batch": 8}),
+    "b2-frozen": ("yoloaccum", {"batch": 2, "bn": "frozen"}),
+    "b2-freeze": ("yoloaccum", {"batch": 2, "freeze": BACKBONE}),
+    "b2-window": ("yoloaccum", {"batch": 2, "bn": "window"}),
+    "b4-batch": ("yoloaccum", {"batch": 4, "bn": "batch"}),
+    "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
+    "b4-frozen": ("yoloaccum", {"batch": 4, "bn": "frozen"}),
+    "b4-freeze": ("yoloaccum", {"batch": 4, "freeze": BACKBONE}),
+    "ultralytics-b4": ("ultralytics", {"batch": 4}),
+    "ultralytics-b8": ("ultralytics", {"batch": 8}),
+}
+REFERENCE = "b64"
+# Fine-tuning is shorter than training from scratch; the sizes keep a run to minutes on 2 CPU cores.
+SIZES = {
+    "bccd": {"dataset": "bccd", "imgsz": 256, "epochs": 20, "images": 292, "seeds": [0, 1, 2, 3, 4]},
+    "aquarium": {"dataset": "aquarium", "imgsz": 320, "epochs": 20, "images": 448, "seeds": [0, 1, 2]},
+}
+SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1}
+RECORDS = HERE / "records/finetune"
+
+
+def checkpoint_for(smoke: bool, work: Path) -> tuple[Path, str]:
+    """The checkpoint runs start from and its SHA-256: make pretrain's, or for the smoke a tiny model's weights."""
+    import pretrain
+
+    if not smoke:
+        path = pretrain.ensure()
+        return path, pretrain.sha256(path)
+    import torch
+    from ultralytics import YOLO  # offline: common imported yoloaccum.ultra first
+
+    torch.manual_seed(0)
+    path = work / "tiny.pt"
+    YOLO(TINY_MODEL).save(path)
+    return path, pretrain.sha256(path)
+
+
+def cost_per_image(run: dict, size: dict) -> float:
+    return run["seconds"] / (size["images"] * size["epochs"])
+
+
+def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record: dict) -> str:
+    """A row per configuration: final mAP50-95 (precise statistics) per seed, ratios and paired differences against
+    the real batch of 64 and against Ultralytics' trainer at the same micro-batch, and the cost per image."""
+
+    def f(x):
+        return "–" if x is None else f"{x:+.3f}"
+
+    def values(name: str, variant: str, keep: list[int]) -> list[float]:
+        return [runs[name][str(s)][variant][METRICS[1]] for s in keep]
+
+    lines = [
+        f"# Fine-tuning from {record['checkpoint']} on {size.get('dataset', 'shapes')} "
+        f"(`python benchmarks/fidelity_finetune.py --data {size.get('dataset', 'shapes')}`)",
+        "",
+        f"yolo26n pretrained on hardhat (make pretrain, SHA-256 {record['sha256'][:12]}), fine-tuned {size['epochs']} "
+        f"epochs at {size['imgsz']} px, nbs 64, warmup 1, close_mosaic 5. mAP50-95 of the final EMA with precise "
+        f"BatchNorm statistics over {size['precise_images']} training images (precise_bn=auto, the shipped default; "
+        "frozen layers keep theirs) and, in brackets, as trained. "
+        "Paired differences over the seeds both have, 95% t interval. Cost: seconds of training and validation per "
+        "training image, one run at a time on the 2-core CPU machine.",
+        "",
+        "| run | seeds | mAP50-95 per seed | mean (as trained) | vs b64: ratio, paired diff [95%] "
+        "| vs Ultralytics same batch: ratio, paired diff [95%] | ms per image |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in configs:
+        have = [s for s in seeds if str(s) in runs.get(name, {})]
+        if not have:
+            continue
+        mine, raw = values(name, "precise", have), values(name, "raw", have)
+        cells = []
+        for other in (REFERENCE, f"ultralytics-b{CONFIGS[name][1]['batch']}"):
+            both = [s for s in have if str(s) in runs.get(other, {})]
+            if name == other or not both or other not in CONFIGS:
+                cells.append("–")
+                continue
+            ours, theirs = values(name, "precise", both), values(other, "precise", both)
+            d = paired(ours, theirs)
+            ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
+            cells.append(f"{ratio:.2f}, {f(d['mean'])} [{f(d['low'])}, {f(d['high'])}] ({len(both)})")
+        ms = statistics.median(cost_per_image(runs[name][str(s)], size) for s in have) * 1000
+        lines.append(
+            f"| {name} | {','.join(map(str, have))} | {' '.join(f'{v:.3f}' for v in mine)} "
+            f"| {statistics.fmean(mine):.3f} ({statistics.fmean(raw):.3f}) | {cells[0]} | {cells[1]} | {ms:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", nargs="+", choices=list(SIZES), default=list(SIZES))
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--seeds", nargs="+", type=int, help="default: 0-4 on bccd, 0-2 on aquarium")
+    p.add_argument("--report", action="store_true", help="only write the reports from the runs already kept")
+    p.add_argument("--smoke", action="store_true", help="a tiny version that only checks the study runs")
+    p.add_argument("--out", type=Path, help=f"folder for the records: {RECORDS.relative_to(HERE.parent)}/")
+    a = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="finetune-"))
+    out = a.out or (work if a.smoke else RECORDS)
+    out.mkdir(parents=True, exist_ok=True)
+    weights, sha = (None, None) if a.report else checkpoint_for(a.smoke, work)
+    sizes = {"shapes": {**SMOKE, "seeds": [0]}} if a.smoke else {d: SIZES[d] for d in a.data}
+    configs = ["b64", "b2", "ultralytics-b2"] if a.smoke else a.configs
+    for name, size in sizes.items():
+        if not a.smoke and not SHARED_SETS[name].exists():
+            print(f"fidelity_finetune: {SHARED_SETS[name]} is not here; {name} skipped", flush=True)
+            continue
+        store = out / f"{name}.json"
+        saved = json.loads(store.read_text()) if store.exists() else {}
+        if sha is None:  # --report: the latest checkpoint's runs
+            sha = next(iter(saved), None)
+            if sha is None:
+                continue
+        record = saved.setdefault(sha, {"sha256": sha, "checkpoint": weights.name if weights else "?", "runs": {}})
+        runs = record["runs"]
+        seeds = a.seeds or size["seeds"]
+        run_size = {k: v for k, v in size.items() if k != "seeds"}
+        run_size["precise_images"] = sample_size("auto", run_size["images"])  # the shipped precise_bn
+        if weights is not None:
+            run_size["model"] = str(weights)
+        for seed in [] if a.report else seeds:
+            for config in configs:
+                if str(seed) in runs.get(config, {}):
+                    continue
+                trainer, settings = CONFIGS[config]
+                print(f"{name} {config} seed {seed} ...", flush=True)
+                result = fresh("train_and_evaluate", trainer, settings, run_size, seed, str(work / config),
+                               module="fidelity")  # fmt: skip
+                runs.setdefault(config, {})[str(seed)] = result
+                print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
+                store.write_text(json.dumps(saved, indent=1) + "\n")
+        text = report(runs, run_size, configs, seeds, record)
+        (out / f"{name}.md").write_text(text)
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
