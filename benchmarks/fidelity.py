@@ -91,11 +91,10 @@ def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, fold
             "imgsz": size["imgsz"], "epochs": size["epochs"], "seed": seed, "plots": False}  # fmt: skip
     start = time.perf_counter()
     if trainer == "yoloaccum":
-        from yoloaccum import trainer as trainer_
+        from yoloaccum import train
 
         run_dir = Path(folder) / f"run{seed}"
-        trainer_.run([f"{k}={v}" for k, v in {**args, "project": folder, "name": run_dir.name, "exist_ok": True,
-                                               "precise_bn": 0, "verbose": False}.items()])  # fmt: skip
+        train(**args, project=folder, name=run_dir.name, exist_ok=True, precise_bn=0, verbose=False)
     else:
         from ultralytics import YOLO
 

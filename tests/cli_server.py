@@ -35,7 +35,7 @@ import traceback
 RUN_TIME = frozenset({"YOLOACCUM_FAULT", "YOLOACCUM_DEBUG", "PYTEST_CURRENT_TEST"})
 
 # What a `yoloaccum train` (or val, predict, plan) process imports before it trains.
-PRELOAD = ("yoloaccum.cli", "yoloaccum.trainer", "yoloaccum.validate", "yoloaccum.predict", "yoloaccum.plan",
+PRELOAD = ("yoloaccum.cli", "yoloaccum.trainer", "yoloaccum.validate", "yoloaccum.prediction", "yoloaccum.planning",
            "yoloaccum.plots", "yoloaccum.shapes", "torch.optim", "matplotlib.pyplot")  # fmt: skip
 
 

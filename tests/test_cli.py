@@ -12,7 +12,7 @@ import yaml
 
 import yoloaccum
 from yoloaccum import config
-from yoloaccum import plan as plan_
+from yoloaccum import planning as plan_
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BROKEN_BRACKET = "batch: 8\nnbs: 64\nepochs: [1, 2\n"  # unclosed bracket on line 3
@@ -38,7 +38,7 @@ BAD_INPUT = [
     pytest.param(("cfg", "batch=2.5"), ("batch=2.5 must be a whole number of images",), id="batch-fractional"),
     pytest.param(("cfg", "nbs=0"), ("nbs=0 must be greater than 0",), id="nbs-zero"),
     pytest.param(("cfg", "epochs=0"), ("epochs=0 must be greater than 0",), id="epochs-zero"),
-    pytest.param(("cfg", "lr0=-0.1"), ("lr0=-0.1 must not be negative",), id="negative-lr"),
+    pytest.param(("cfg", "lr0=-0.1"), ("lr0=-0.1 must be between 0 and 1",), id="negative-lr"),
     pytest.param(("cfg", "imgsz=100"), ("imgsz=100 must be a multiple of 32",), id="imgsz-not-multiple-of-32"),
     pytest.param(("cfg", "norm=bogus"), ("norm=bogus is not one of window, micro",), id="not-a-choice"),
     pytest.param(("cfg", "batch"), ("'batch' is not key=value",), id="not-key-value"),
@@ -50,7 +50,8 @@ BAD_INPUT = [
         id="yaml-unclosed-bracket",
     ),
     pytest.param(("cfg", "accumulate=4"), ("accumulate is derived", "set nbs to batch x N"), id="derived-accumulate"),
-    pytest.param(("cfg", "rect=True"), ("'rect' is an Ultralytics setting", "does not support"), id="ultralytics-key"),
+    pytest.param(("cfg", "profile=True"), ("'profile' is an Ultralytics setting", "does not take: ONNX"),
+                 id="ultralytics-key"),
     pytest.param(("train", "nbs=abc"), ("nbs=abc is not an integer",), id="train-wrong-type"),
     pytest.param(("val",), ("val needs trained weights", "model=path/to/best.pt"), id="val-without-weights"),
     pytest.param(("plan", "batch=8"), ("give data=dataset.yaml or images=N",), id="plan-without-images"),
@@ -130,7 +131,7 @@ def test_cfg_loads_an_ultralytics_recipe(run_cli, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert printed["batch"] == 8
-    assert not {"task", "mode", "rect", "overlap_mask"} & printed.keys()
+    assert not {"task", "mode", "overlap_mask"} & printed.keys() and printed["rect"] is False
 
 
 # plan -------------------------------------------------------------------------------------------------------------

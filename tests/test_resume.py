@@ -147,11 +147,12 @@ def test_a_run_saved_before_a_key_existed_resumes_with_how_it_trained(uninterrup
     saved = {k: v for k, v in ckpt["yoloaccum"]["config"].items() if k != "mosaic_buffer"}
     path = tmp_path / "old/weights/last.pt"
     checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "config": saved}}, path)
-    args = [f"resume={path}", "epochs=6"]
-    cfg, _, _ = resume.load(config.resolve(args), args)
+    given = {"resume": str(path), "epochs": 6}
+    cfg, _, _ = resume.load(config.resolve(overrides=given), given)
     assert cfg.mosaic_buffer == resume.BEFORE_THE_KEY["mosaic_buffer"] == "batch"
     with pytest.raises(UserError, match="mosaic_buffer=window differs from its mosaic_buffer=batch"):
-        resume.load(config.resolve([*args, "mosaic_buffer=window"]), [*args, "mosaic_buffer=window"])
+        given = {**given, "mosaic_buffer": "window"}
+        resume.load(config.resolve(overrides=given), given)
 
 
 def test_resume_with_more_epochs_continues_a_finished_run(uninterrupted, tmp_path, run_cli):

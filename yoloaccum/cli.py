@@ -14,8 +14,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from yoloaccum import __version__
-from yoloaccum.errors import Diverged, UserError
+from yoloaccum import __version__, api, config
+from yoloaccum.errors import Diverged, RanksFailed, UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -49,28 +49,19 @@ def main(
 @app.command()
 def train(args: ARGS = None) -> None:
     """Train a detector with gradient accumulation, e.g. `yoloaccum train data=coco.yaml batch=8 nbs=64`."""
-    from yoloaccum import config
-
-    config.resolve(args or [])  # a mistake in the arguments answers here, before torch and Ultralytics load
-    from yoloaccum import trainer
-
-    trainer.run(args or [])
+    api.train(**config.parse_args(args or []))
 
 
 @app.command()
 def val(args: ARGS = None) -> None:
     """Validate weights on a dataset, e.g. `yoloaccum val model=runs/train/exp/weights/best.pt data=coco.yaml`."""
-    from yoloaccum import validate
-
-    validate.run(args or [])
+    api.val(**config.parse_args(args or []))
 
 
 @app.command()
 def predict(args: ARGS = None) -> None:
     """Detect objects in an image or folder, e.g. `yoloaccum predict model=best.pt source=images/`."""
-    from yoloaccum import predict as predict_
-
-    predict_.run(args or [])
+    api.predict(**config.parse_args(args or []))
 
 
 @app.command()
@@ -81,16 +72,16 @@ def plan(
 ) -> None:
     """Show what a recipe will do: accumulate, effective batch, weight decay, warmup ramp, steps. Add images=N
     to skip counting the dataset."""
-    from yoloaccum import plan as plan_
-
-    plan_.run(list(args or []), as_json, plot)
+    args = list(args or [])
+    images = _pop(args, "images")
+    if images is not None and not images.isdigit():
+        raise UserError(f"images={images} must be a positive whole number")
+    api.plan(images=int(images) if images is not None else None, as_json=as_json, plot=plot, **config.parse_args(args))
 
 
 @app.command("cfg")
 def show_cfg(args: ARGS = None) -> None:
     """Print the resolved configuration as YAML, e.g. `yoloaccum cfg cfg=recipe.yaml batch=8`."""
-    from yoloaccum import config
-
     cfg = config.resolve(args or [])
     if note := config.dropped_note(cfg):
         typer.echo(note, err=True)
@@ -142,6 +133,9 @@ def run() -> None:
         command = next((a for a in args if a in commands), None)
         _say_error(f"{e.format_message()}; see yoloaccum {command + ' ' if command else ''}--help")
         sys.exit(2)
+    except RanksFailed as e:  # torchrun's ranks said why; its code is ours
+        _say_error(str(e))
+        sys.exit(e.exit_code)
     except Interrupted as e:  # a graceful stop: last.pt is saved, and the message says how to resume
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)

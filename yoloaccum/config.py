@@ -129,7 +129,8 @@ def load_recipe(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     for k in listed:
         reason = "they describe a run, not a recipe" if k in RUN_KEYS else unsupported_reason(k)
         by_reason.setdefault(reason, []).append(k)
-    ignored = [f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items()]
+    run_first = sorted(by_reason.items(), key=lambda item: item[1][0] not in RUN_KEYS)
+    ignored = [f"{', '.join(keys)} ({reason})" for reason, keys in run_first]
     kept = {k: v for k, v in values.items() if k not in dropped}
     return _check_keys(kept, f"key in {path}"), ignored
 

@@ -7,12 +7,13 @@ line, and epochs, which continues a finished or interrupted run to a new length 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from yoloaccum import checkpoint, schedule
 from yoloaccum import state as state_
-from yoloaccum.config import Config, parse_args, schema
+from yoloaccum.config import Config, schema
 from yoloaccum.errors import UserError
 from yoloaccum.schedule import Schedule
 
@@ -51,14 +52,14 @@ def find_last(project: str | None) -> Path:
     return candidates[-1]
 
 
-def load(cfg: Config, args: list[str]) -> tuple[Config, dict[str, Any], Path]:
+def load(cfg: Config, given_keys: Iterable[str]) -> tuple[Config, dict[str, Any], Path]:
     """The saved run's config (with the allowed changes), its checkpoint (its training state read by
-    state.read, in the current format), and the checkpoint's path."""
+    state.read, in the current format), and the checkpoint's path. `given_keys`: the keys the user gave (their
+    values are cfg's), which are checked against the saved ones."""
     path = find_last(cfg.project) if cfg.resume is True else Path(str(cfg.resume))
     ckpt = checkpoint.load(path, cfg.trust_weights)
     state = ckpt["yoloaccum"] = state_.read(ckpt, path)
-    saved, given = state["config"], parse_args(args)
-    given.pop("cfg", None)
+    saved, given = state["config"], {k: cfg[k] for k in given_keys if k in cfg}
     run, done = path.parent.parent, state["position"]["epoch"]
     extend = "epochs" in given and given["epochs"] != saved["epochs"]
     if extend and (not isinstance(given["epochs"], int) or given["epochs"] <= done):

@@ -33,6 +33,7 @@ from yoloaccum import (
 )
 from yoloaccum import model as model_
 from yoloaccum import schedule as schedule_
+from yoloaccum.api import TrainResult, result_of_folder
 from yoloaccum.clock import RunClock
 from yoloaccum.components import Parts
 from yoloaccum.config import Config, dropped_note, resolve
@@ -329,11 +330,12 @@ class Trainer(Parts):
             plots.schedule(self.steps.file, self.run.path / "schedule.png")
 
 
-def run(args: list[str]) -> dict[str, float]:
-    """`yoloaccum train ...`: resolve the config (or the run to resume), train, and say where the weights are."""
-    cfg, ckpt, path = resolve(args), None, None
+def run(given: dict[str, Any]) -> TrainResult:
+    """api.train's work: resolve the config of the keys `given` (or of the run they resume), train, and say where
+    the weights are. With several devices outside torchrun, torchrun runs the ranks and this process waits."""
+    cfg, ckpt, path = resolve(overrides=given), None, None
     if cfg.resume:
-        cfg, ckpt, path = resume.load(cfg, args)
+        cfg, ckpt, path = resume.load(cfg, given)
     if cfg.data is None:
         raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
     if cfg.rect:
@@ -344,7 +346,8 @@ def run(args: list[str]) -> dict[str, float]:
         )
     cfg = cfg.replace(device=distributed.resolve_device(cfg.device))  # empty: the first GPU where there is one
     compiler.check(cfg)
-    distributed.relaunch_on_several_devices(cfg, args)  # outside torchrun with device=0,1,...: one process each
+    if (folder := distributed.relaunch_on_several_devices(cfg, given)) is not None:  # device=0,1,... outside torchrun
+        return result_of_folder(folder)
     if int(os.environ.get("RANK", "0")) == 0:
         if ckpt is not None and (note := resume.extension_note(ckpt["yoloaccum"], cfg)):
             print(note, flush=True)
@@ -356,7 +359,7 @@ def run(args: list[str]) -> dict[str, float]:
         if trainer.run is not None:
             trainer.plot_schedule()
             trainer.run.finish(trainer.evaluator, trainer.cfg)
-        return metrics
+        return TrainResult(metrics, trainer.run.path if trainer.run else None)
     finally:
         distributed.cleanup()
 

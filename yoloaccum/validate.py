@@ -146,9 +146,8 @@ def metrics_table(metrics: dict[str, float], title: str) -> Table:
     return table
 
 
-def run(args: list[str]) -> dict[str, Any]:
-    """`yoloaccum val model=best.pt data=...`: print and return the metrics of a checkpoint."""
-    cfg = config.resolve(args)
+def run(cfg: Config) -> dict[str, Any]:
+    """api.val's work (`yoloaccum val model=best.pt data=...`): print and return the metrics of a checkpoint."""
     if config.is_auto_batch(cfg.batch):
         raise UserError(f"batch={cfg.batch} chooses a training micro-batch from memory; val needs batch=N")
     if not str(cfg.model).endswith(".pt"):

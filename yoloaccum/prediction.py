@@ -11,7 +11,8 @@ from typing import Any
 
 import cv2
 
-from yoloaccum import checkpoint, config
+from yoloaccum import checkpoint
+from yoloaccum.config import Config
 from yoloaccum.data import IMG_SUFFIXES
 from yoloaccum.distributed import select_device
 from yoloaccum.errors import UserError
@@ -31,11 +32,11 @@ def images_in(source: str) -> list[Path]:
     raise UserError(f"source={source} does not exist; give an image or a folder of images")
 
 
-def run(args: list[str]) -> list[dict[str, Any]]:
-    """Predict with model=best.pt on source=<image|folder>; returns what predictions.json holds."""
+def run(cfg: Config) -> list[dict[str, Any]]:
+    """api.predict's work: predict with model=best.pt on source=<image|folder>; returns what predictions.json
+    holds."""
     from ultralytics.models.yolo.detect import DetectionPredictor
 
-    cfg = config.resolve(args)
     if not str(cfg.model).endswith(".pt"):
         raise UserError("predict needs trained weights: give model=path/to/best.pt")
     if cfg.source is None:

@@ -21,15 +21,12 @@ if TYPE_CHECKING:
 JSON_VERSION = 1  # bump when a field of `plan --json` changes meaning or disappears
 
 
-def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -> Schedule:
-    """`yoloaccum plan ...`: the schedule of a recipe, printed as a table or JSON, optionally drawn into a PNG.
-
-    images=N (not a config key) stands in for counting the dataset's training images.
+def run(cfg: Config, images: int | None = None, as_json: bool = False, plot_path: Path | None = None) -> Schedule:
+    """api.plan's work (`yoloaccum plan ...`): the schedule of a recipe, printed as a table or JSON, optionally drawn
+    into a PNG. `images` stands in for counting the dataset's training images.
     """
     # torch, Ultralytics and the dataset code are imported only where they are needed (data=, batch=-1), so that
     # `plan images=N` answers at once
-    images = next((a.split("=", 1)[1] for a in args if a.startswith("images=")), None)
-    cfg = config.resolve([a for a in args if not a.startswith("images=")])
     if plot_path and not plot_path.parent.is_dir():
         raise UserError(
             f"--plot {plot_path}: the folder {plot_path.parent} does not exist; make it, or give another path"
@@ -37,9 +34,9 @@ def run(args: list[str], as_json: bool = False, plot_path: Path | None = None) -
     if note := config.dropped_note(cfg):
         print(note, file=sys.stderr, flush=True)
     if images is not None:
-        if not images.isdigit() or int(images) < 1:
+        if isinstance(images, bool) or not isinstance(images, int) or images < 1:
             raise UserError(f"images={images} must be a positive whole number")
-        num_images, nc = int(images), 80 if cfg.data is None else _data().load_spec(cfg.data).nc
+        num_images, nc = images, 80 if cfg.data is None else _data().load_spec(cfg.data).nc
     elif cfg.data is None:
         raise UserError("plan needs the number of training images: give data=dataset.yaml or images=N")
     else:

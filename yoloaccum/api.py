@@ -1,0 +1,101 @@
+"""The Python API, yoloaccum's front door: train, val, predict and plan, with the CLI's keys as keyword arguments.
+
+    from yoloaccum import train
+    r = train(data="my.yaml", model="yolo26n.pt", batch=4)   # also in a notebook
+    r.metrics["metrics/mAP50-95(B)"], r.best, r.last
+
+Values are Python values (batch=4, freeze=[0, 1], device=0, data=Path(...)); `cfg` names a recipe YAML, as cfg= does
+on the command line. A mistake raises UserError with the CLI's one-line message; nothing here exits the process or
+reads sys.argv (the CLI parses argv into these calls and owns the exit codes). The configuration is resolved before
+torch is imported, so a typo answers at once.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from yoloaccum import config
+
+__all__ = ["TrainResult", "plan", "predict", "train", "val"]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a training run left: its final metrics (Ultralytics' names: "metrics/mAP50-95(B)", ...), its folder, and
+    its weights (None where the run saved none)."""
+
+    metrics: dict[str, float]
+    save_dir: Path | None
+    best: Path | None = field(init=False)
+    last: Path | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("best", "last"):
+            path = self.save_dir / "weights" / f"{name}.pt" if self.save_dir else None
+            object.__setattr__(self, name, path if path and path.exists() else None)
+
+
+def train(cfg: str | Path | None = None, **overrides: Any) -> TrainResult:
+    """Train a detector with gradient accumulation, e.g. train(data="coco.yaml", batch=8, nbs=64)."""
+    given = _given(cfg, overrides)
+    config.resolve(overrides=given)  # a mistake answers here, before torch and Ultralytics load
+    from yoloaccum import trainer
+
+    return trainer.run(given)
+
+
+def val(cfg: str | Path | None = None, **overrides: Any) -> dict[str, float]:
+    """Validate weights on a dataset, e.g. val(model="runs/train/exp/weights/best.pt", data="coco.yaml")."""
+    resolved = config.resolve(overrides=_given(cfg, overrides))
+    from yoloaccum import validate
+
+    return validate.run(resolved)
+
+
+def predict(cfg: str | Path | None = None, **overrides: Any) -> list[dict[str, Any]]:
+    """Detect objects in an image or a folder, e.g. predict(model="best.pt", source="images/"); returns one record
+    per image, as predictions.json holds them."""
+    resolved = config.resolve(overrides=_given(cfg, overrides))
+    from yoloaccum import prediction as predict_
+
+    return predict_.run(resolved)
+
+
+def plan(
+    cfg: str | Path | None = None,
+    *,
+    images: int | None = None,
+    as_json: bool = False,
+    plot: str | Path | None = None,
+    **overrides: Any,
+):
+    """What a recipe will do, printed (as a table, or JSON): accumulate, effective batch, weight decay, the warmup
+    ramp. images=N stands in for counting the dataset's training images. Returns the Schedule."""
+    from yoloaccum import planning as plan_
+
+    resolved = config.resolve(overrides=_given(cfg, overrides))
+    return plan_.run(resolved, images, as_json, Path(plot) if plot else None)
+
+
+def _given(cfg: str | Path | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments as config keys: paths as text, and the recipe as cfg."""
+    given = {k: str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
+    if cfg is not None:
+        given["cfg"] = str(cfg)
+    return given
+
+
+def result_of_folder(save_dir: Path) -> TrainResult:
+    """The result of a run made by other processes (torchrun's ranks): the metrics of results.csv's last row."""
+    metrics: dict[str, float] = {}
+    results = save_dir / "results.csv"
+    if results.exists():
+        with results.open() as f:
+            rows = list(csv.DictReader(f, skipinitialspace=True))
+        if rows:
+            metrics = {k.strip(): float(v) for k, v in rows[-1].items() if k.strip().startswith("metrics/")}
+    return TrainResult(metrics, save_dir)
