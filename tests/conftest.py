@@ -51,7 +51,8 @@ _block_the_network()
 # first, they leave the short files to fill the end, instead of one worker finishing a long file alone. Files not
 # named follow in their usual order.
 LONGEST_FIRST = (
-    *("test_bench_smoke.py", "test_compile.py", "test_distributed.py", "test_resume.py", "test_norm.py"),
+    *("test_bench_smoke.py", "test_compile.py", "test_distributed.py", "test_resume.py", "test_from_ultralytics.py"),
+    *("test_norm.py", "test_bad_input.py"),
     *("test_train.py", "test_validate.py", "test_parity.py", "test_backoff.py", "test_precise_bn.py"),
 )
 

@@ -192,7 +192,11 @@ def test_values_ultralytics_takes_are_taken(cli_in_process) -> None:
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)
     assert (cfg["epochs"], cfg["lr_scale"], cfg["freeze"], cfg["classes"], cfg["amp"]) == (
-        100, "none", [0, 1, 2], [0, 2], "bf16"
+        100,
+        "none",
+        [0, 1, 2],
+        [0, 2],
+        "bf16",
     )
 
 

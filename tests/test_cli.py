@@ -50,8 +50,9 @@ BAD_INPUT = [
         id="yaml-unclosed-bracket",
     ),
     pytest.param(("cfg", "accumulate=4"), ("accumulate is derived", "set nbs to batch x N"), id="derived-accumulate"),
-    pytest.param(("cfg", "profile=True"), ("'profile' is an Ultralytics setting", "does not take: ONNX"),
-                 id="ultralytics-key"),
+    pytest.param(
+        ("cfg", "profile=True"), ("'profile' is an Ultralytics setting", "does not take: ONNX"), id="ultralytics-key"
+    ),
     pytest.param(("train", "nbs=abc"), ("nbs=abc is not an integer",), id="train-wrong-type"),
     pytest.param(("val",), ("val needs trained weights", "model=path/to/best.pt"), id="val-without-weights"),
     pytest.param(("plan", "batch=8"), ("give data=dataset.yaml or images=N",), id="plan-without-images"),
