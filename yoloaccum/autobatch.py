@@ -66,10 +66,12 @@ def choose(cfg: Config, ctx: Context, model: nn.Module, loss, amp: bool, max_obj
     if ctx.world_size > 1:  # a sync point, once per run: every rank takes the smallest device's micro-batch
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     per_device = int(t.item())
-    reason = (f"batch={cfg.batch:g}: {fraction:.0%} of the {available / GIB:.1f} GiB free on {ctx.device} fits "
-              f"{mine} images ({per_image / 2**20:.0f} MiB per image above {base / GIB:.2f} GiB, measured with "
-              f"yoloaccum's micro-step at {cfg.imgsz} px{', AMP' if amp else ''}"
-              f"{', grad_checkpointing' if cfg.grad_checkpointing else ''})")  # fmt: skip
+    reason = (
+        f"batch={cfg.batch:g}: {fraction:.0%} of the {available / GIB:.1f} GiB free on {ctx.device} fits "
+        f"{mine} images ({per_image / 2**20:.0f} MiB per image above {base / GIB:.2f} GiB, measured with "
+        f"yoloaccum's micro-step at {cfg.imgsz} px{', AMP' if amp else ''}"
+        f"{', grad_checkpointing' if cfg.grad_checkpointing else ''})"
+    )
     if ctx.world_size > 1:
         reason += f"; the smallest of {ctx.world_size} devices: {per_device} per device"
     return Choice(per_device * ctx.world_size, reason)
@@ -93,8 +95,17 @@ def micro_batch_cap(nbs: int, num_images: int, world_size: int) -> int:
 
 # Tensors the optimizer keeps per weight: momentum for SGD-type (MuSGD's orthogonalisation keeps no more), the two
 # moments for Adam-type; "auto" may choose AdamW.
-OPTIMIZER_SLOTS = {"SGD": 1, "MuSGD": 1, "RMSProp": 2, "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2,
-                   "auto": 2}  # fmt: skip
+OPTIMIZER_SLOTS = {
+    "SGD": 1,
+    "MuSGD": 1,
+    "RMSProp": 2,
+    "Adam": 2,
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,
+    "auto": 2,
+}
 
 
 def state_bytes(model: nn.Module, optimizer: str, world_size: int) -> int:
@@ -119,8 +130,9 @@ def fit(peaks: dict[int, int], budget: float, cap: int) -> tuple[int, float, flo
     return max(1, min(images, cap)), float(per_image), float(base)
 
 
-def measure(model: nn.Module, loss, imgsz: int, amp: bool, device: torch.device, sizes: tuple[int, ...],
-            max_objects: int) -> dict[int, int | None]:  # fmt: skip
+def measure(
+    model: nn.Module, loss, imgsz: int, amp: bool, device: torch.device, sizes: tuple[int, ...], max_objects: int
+) -> dict[int, int | None]:
     """Peak bytes one micro-step reserves at each size (None: out of memory, and no larger size is tried).
 
     Reserved, not allocated: the caching allocator holds blocks beyond the tensors alive, and what it reserves is
@@ -151,8 +163,10 @@ def measure(model: nn.Module, loss, imgsz: int, amp: bool, device: torch.device,
                 break
     torch.cuda.empty_cache()
     if peaks.get(sizes[0]) is None:
-        raise UserError(f"one image does not fit in {device}'s free memory; free the GPU, lower imgsz, or set "
-                        "grad_checkpointing=True")  # fmt: skip
+        raise UserError(
+            f"one image does not fit in {device}'s free memory; free the GPU, lower imgsz, or set "
+            "grad_checkpointing=True"
+        )
     return peaks
 
 

@@ -15,8 +15,12 @@ from yoloaccum.errors import UserError
 
 # CUDA reports some allocation failures as other errors: cuBLAS and cuDNN allocate workspaces of their own, and fail
 # with these texts when the device is full. Ultralytics' trainer treats the same texts as out of memory.
-OUT_OF_MEMORY_TEXTS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_INTERNAL_ERROR", "CUDNN_STATUS_ALLOC_FAILED",
-                       "unable to find an engine")  # fmt: skip
+OUT_OF_MEMORY_TEXTS = (
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "unable to find an engine",
+)
 
 
 def is_out_of_memory(e: BaseException) -> bool:

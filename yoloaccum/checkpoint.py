@@ -53,8 +53,10 @@ def disk_errors(path: Path, trained: bool = False) -> Iterator[None]:
         weights = path.parent if path.parent.name == "weights" else path.parent / "weights"
         last = weights / "last.pt"
         if trained:
-            raise UserError(f"writing {path} failed: {e.strerror}; training had finished, and its weights in "
-                            f"{weights} are complete; free space on that disk") from e  # fmt: skip
+            raise UserError(
+                f"writing {path} failed: {e.strerror}; training had finished, and its weights in "
+                f"{weights} are complete; free space on that disk"
+            ) from e
         if path.suffix == ".pt":
             kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
         else:
@@ -129,7 +131,7 @@ def stripped(ckpt: dict[str, Any]) -> dict[str, Any]:
             "stripped": True,
             "epochs_done": ours["position"]["epoch"],
             "fitness": ckpt["best_fitness"],
-        },  # fmt: skip
+        },
     }
 
 

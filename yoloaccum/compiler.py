@@ -45,8 +45,10 @@ def check(cfg: Config) -> None:
     """Refuse, before anything is built, a compile mode that would record CUDA graphs."""
     mode = mode_of(cfg.compile)
     if mode in CUDA_GRAPH_MODES and distributed.cuda_ids(cfg.device):
-        raise UserError(f"compile={mode} records CUDA graphs, which yoloaccum does not combine with gradient "
-                        "accumulation; use compile=True or compile=max-autotune-no-cudagraphs")  # fmt: skip
+        raise UserError(
+            f"compile={mode} records CUDA graphs, which yoloaccum does not combine with gradient "
+            "accumulation; use compile=True or compile=max-autotune-no-cudagraphs"
+        )
 
 
 def mode_of(value: bool | str) -> str | None:
@@ -80,8 +82,10 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
 
     mode, ctx, model = mode_of(cfg.compile), engine.ctx, engine.raw_model
     if cfg.grad_checkpointing:  # dynamo cannot trace its checkpoints, which restore BatchNorm's buffers
-        warn(f"compile={mode} does not combine with grad_checkpointing=True (torch.compile cannot trace its "
-             "checkpoints); training without compilation")  # fmt: skip
+        warn(
+            f"compile={mode} does not combine with grad_checkpointing=True (torch.compile cannot trace its "
+            "checkpoints); training without compilation"
+        )
         return None
     loader_sizes = batches.micro_batch_sizes(num_images, engine.schedule.micro_batch, ctx.world_size)
     sizes = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)}, reverse=True)
@@ -94,8 +98,10 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
     except RuntimeError as e:
         if not backoff.is_out_of_memory(e):
             raise
-        raise UserError(f"compile={mode} ran out of device memory compiling micro-batches of {sizes[0]}; train "
-                        "with compile=False (which backs off by itself) or a smaller batch") from e  # fmt: skip
+        raise UserError(
+            f"compile={mode} ran out of device memory compiling micro-batches of {sizes[0]}; train "
+            "with compile=False (which backs off by itself) or a smaller batch"
+        ) from e
     compiled_ranks = torch.tensor([float(compiled is not None)], device=ctx.device)
     if distributed.all_reduce_sum(compiled_ranks, ctx).item() < ctx.world_size:
         uncompile(model)
@@ -111,8 +117,9 @@ def after_back_off(compiled: Compiled, engine, num_images: int, imgsz: int, say:
     the micro-batch sizes an out-of-memory back-off has just made, so that none compiles inside a window. Returns
     the Compiled with them added."""
     loader_sizes = batches.micro_batch_sizes(num_images, engine.schedule.micro_batch, engine.ctx.world_size)
-    new = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)} - set(compiled.batch_sizes),
-                 reverse=True)  # fmt: skip
+    new = sorted(
+        {p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)} - set(compiled.batch_sizes), reverse=True
+    )
     if not new:
         return compiled
     start = time.perf_counter()

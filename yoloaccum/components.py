@@ -125,8 +125,23 @@ def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
     )
     # rank 0 validates alone, on one device, in batches of twice the micro-batch
     evaluator = Evaluator(cfg, spec, run.path, schedule.micro_batch * 2, ctx.device, run.console.print) if run else None
-    return Parts(cfg, ctx, spec, train_set, run, raw_model, bn, frozen, ema, criterion, batch_choice, schedule,
-                 loader, engine, evaluator)  # fmt: skip
+    return Parts(
+        cfg,
+        ctx,
+        spec,
+        train_set,
+        run,
+        raw_model,
+        bn,
+        frozen,
+        ema,
+        criterion,
+        batch_choice,
+        schedule,
+        loader,
+        engine,
+        evaluator,
+    )
 
 
 def build_loader(parts: Parts) -> torch.utils.data.DataLoader:

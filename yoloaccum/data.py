@@ -70,8 +70,13 @@ def load_spec(name: str | Path, split: str = "val") -> DatasetSpec:
         names = dict(enumerate(names))
     if not isinstance(names, dict) or sorted(names) != list(range(len(names))):
         raise UserError(f"{yaml_file}: names must be a list or a mapping 0: name, 1: name, ... without gaps")
-    return DatasetSpec(yaml_file, root, _entries(yaml_file, root, raw["train"]), _entries(yaml_file, root, raw[split]),
-                       {int(k): str(v) for k, v in names.items()})  # fmt: skip
+    return DatasetSpec(
+        yaml_file,
+        root,
+        _entries(yaml_file, root, raw["train"]),
+        _entries(yaml_file, root, raw[split]),
+        {int(k): str(v) for k, v in names.items()},
+    )
 
 
 def check_classes(classes: int | list[int] | None, spec: DatasetSpec) -> None:
@@ -120,12 +125,22 @@ def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32, 
     scanned_dataset = _scanned_dataset_class()
     try:
         return scanned_dataset(
-            img_path=paths if len(paths) > 1 else paths[0], imgsz=cfg.imgsz, batch_size=cfg.batch, augment=augment,
-            hyp=args, rect=False, cache=(cfg.cache or None) if augment else None, single_cls=cfg.single_cls,
-            stride=stride, pad=0.0,
-            prefix=colorstr(f"{split}: "), task="detect", classes=cfg.classes, fraction=cfg.fraction,
+            img_path=paths if len(paths) > 1 else paths[0],
+            imgsz=cfg.imgsz,
+            batch_size=cfg.batch,
+            augment=augment,
+            hyp=args,
+            rect=False,
+            cache=(cfg.cache or None) if augment else None,
+            single_cls=cfg.single_cls,
+            stride=stride,
+            pad=0.0,
+            prefix=colorstr(f"{split}: "),
+            task="detect",
+            classes=cfg.classes,
+            fraction=cfg.fraction,
             data={"names": spec.names, "nc": spec.nc, "channels": 3},
-        )  # fmt: skip
+        )
     except FileNotFoundError as e:
         raise UserError(f"{spec.yaml_file}: no images found for {split} in {', '.join(paths)}") from e
     except RuntimeError as e:

@@ -57,8 +57,10 @@ def resolve_device(device: str | None) -> str:
     ids = cuda_ids(text)
     if ids and ids[0] == -1:
         if "WORLD_SIZE" in os.environ:
-            raise UserError(f"device={device} under torchrun: list the devices (device=0,1), since each rank "
-                            "would see another device as the least busy")  # fmt: skip
+            raise UserError(
+                f"device={device} under torchrun: list the devices (device=0,1), since each rank "
+                "would see another device as the least busy"
+            )
         return ",".join(map(str, least_busy(len(ids))))
     return text
 
@@ -104,8 +106,10 @@ def visible_devices(ids: list[int], visible: str | None) -> str:
         return ",".join(map(str, ids))
     listed = [v.strip() for v in visible.split(",") if v.strip()]
     if max(ids) >= len(listed):
-        raise UserError(f"device={','.join(map(str, ids))}: CUDA_VISIBLE_DEVICES={visible} makes only "
-                        f"{len(listed)} device(s) visible")  # fmt: skip
+        raise UserError(
+            f"device={','.join(map(str, ids))}: CUDA_VISIBLE_DEVICES={visible} makes only "
+            f"{len(listed)} device(s) visible"
+        )
     return ",".join(listed[i] for i in ids)
 
 

@@ -76,22 +76,43 @@ class Engine:
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
 
     @classmethod
-    def build(cls, raw_model: nn.Module, loss: Any, schedule: Schedule, ctx: Context, bn: str = "batch",
-              amp: bool = False, **fields: Any) -> Engine:  # fmt: skip
+    def build(
+        cls,
+        raw_model: nn.Module,
+        loss: Any,
+        schedule: Schedule,
+        ctx: Context,
+        bn: str = "batch",
+        amp: bool = False,
+        **fields: Any,
+    ) -> Engine:
         """The engine for raw_model as runs, tests and benchmarks use it: wrapped in DDP under torchrun (SyncBatchNorm
         first with bn=sync), the optimizer the schedule names, a GradScaler that is a no-op without AMP; `fields` are
         the dataclass's others (clip_grad, ema, nan_patience, log, ...)."""
         # GradScaler exists for float16, whose gradients underflow; bfloat16 has float32's range and needs none.
         dtype = fields.get("amp_dtype", torch.float16)
         fields.setdefault("scaler", torch.amp.GradScaler(ctx.device.type, enabled=amp and dtype == torch.float16))
-        return cls(model=distributed.wrap(raw_model, ctx, bn), raw_model=raw_model, loss=loss,
-                   optimizer=optim.build_optimizer(raw_model, schedule), schedule=schedule, ctx=ctx, amp=amp,
-                   **fields)  # fmt: skip
+        return cls(
+            model=distributed.wrap(raw_model, ctx, bn),
+            raw_model=raw_model,
+            loss=loss,
+            optimizer=optim.build_optimizer(raw_model, schedule),
+            schedule=schedule,
+            ctx=ctx,
+            amp=amp,
+            **fields,
+        )
 
-    def train_epoch(self, epoch: int, batches: Iterable[dict], on_micro_step: OnMicroStep | None = None,
-                    start: int = 0, should_stop: Callable[[], bool] = lambda: False,
-                    should_save: Callable[[], bool] = lambda: False,
-                    on_save: Callable[[int], None] | None = None) -> EpochResult:  # fmt: skip
+    def train_epoch(
+        self,
+        epoch: int,
+        batches: Iterable[dict],
+        on_micro_step: OnMicroStep | None = None,
+        start: int = 0,
+        should_stop: Callable[[], bool] = lambda: False,
+        should_save: Callable[[], bool] = lambda: False,
+        on_save: Callable[[int], None] | None = None,
+    ) -> EpochResult:
         """The epoch's micro-batches from index `start` on: a micro-step each, an optimizer step at each window end.
 
         Returns early, at a window boundary, when should_stop() is true on any rank or after nan_patience skipped
@@ -174,9 +195,11 @@ class Engine:
             torch.cuda.empty_cache()  # give the failed step's cached blocks back before the smaller micro-batches run
         before, self.split = self.micro_batch, self.split * 2
         self.back_offs.append(ni)
-        self.log(f"iteration {ni}: out of memory at {before} images per device; the window runs again at "
-                 f"{self.micro_batch} per device, accumulate {self.accumulate}, the same "
-                 f"{self.schedule.effective_batch} images per step")  # fmt: skip
+        self.log(
+            f"iteration {ni}: out of memory at {before} images per device; the window runs again at "
+            f"{self.micro_batch} per device, accumulate {self.accumulate}, the same "
+            f"{self.schedule.effective_batch} images per step"
+        )
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -283,9 +306,13 @@ class Engine:
         if self.micro_batches_in_window == 0:
             return None
         grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.raw_model.parameters()]
-        return {"grads": grads, "counts": self.window_counts.tensor.cpu(), "scale": self._scale(),
-                "micro_batches": self.micro_batches_in_window,
-                "buffers": [b.cpu() for b in self.window_buffers.tensors] if self.window_buffers else []}  # fmt: skip
+        return {
+            "grads": grads,
+            "counts": self.window_counts.tensor.cpu(),
+            "scale": self._scale(),
+            "micro_batches": self.micro_batches_in_window,
+            "buffers": [b.cpu() for b in self.window_buffers.tensors] if self.window_buffers else [],
+        }
 
     def restore_window(self, window: dict[str, Any] | None) -> None:
         """Reopen a window saved by open_window(): the next micro-batches add to its gradients and counts, which are

@@ -37,8 +37,10 @@ def apply(model: nn.Module, freeze: int | list | None) -> tuple[str, ...]:
     if isinstance(freeze, list):
         for entry, prefix in zip(freeze, frozen):
             if not any(prefix in f"{n}." for n in names):
-                raise UserError(f"freeze={freeze}: {entry!r} names no layer of the model (layers 0 to "
-                                f"{len(model.model) - 1}, or a module such as '23.cv2')")  # fmt: skip
+                raise UserError(
+                    f"freeze={freeze}: {entry!r} names no layer of the model (layers 0 to "
+                    f"{len(model.model) - 1}, or a module such as '23.cv2')"
+                )
     for name, p in model.named_parameters():
         if is_frozen(name, frozen):
             p.requires_grad_(False)

@@ -37,9 +37,11 @@ class _TargetScoreSum:
         warned = getattr(self.assigner, "_oom_warned", True)
         out = self.assigner(*args, **kwargs)
         if not warned and getattr(self.assigner, "_oom_warned", False):
-            self.log("[yellow]warning:[/] the loss's target assignment ran out of device memory and now assigns one "
-                     "image at a time (the same targets, slower); a smaller batch or grad_checkpointing=True avoids "
-                     "it")  # fmt: skip
+            self.log(
+                "[yellow]warning:[/] the loss's target assignment ran out of device memory and now assigns one "
+                "image at a time (the same targets, slower); a smaller batch or grad_checkpointing=True avoids "
+                "it"
+            )
         self.last = out[2].detach().sum()  # (_, target_bboxes, target_scores, fg_mask, target_gt_idx)
         return out
 

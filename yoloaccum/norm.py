@@ -55,8 +55,9 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         self.register_buffer("window_mean", torch.zeros(num_features, device=device), persistent=False)
         self.register_buffer("window_var", torch.ones(num_features, device=device), persistent=False)
         # what the micro-steps read, computed once a window: 1 / sqrt(window_var + eps) and -window_mean * that
-        self.register_buffer("window_invstd", torch.full((num_features,), (1 + eps) ** -0.5, device=device),
-                             persistent=False)  # fmt: skip
+        self.register_buffer(
+            "window_invstd", torch.full((num_features,), (1 + eps) ** -0.5, device=device), persistent=False
+        )
         self.register_buffer("window_shift", torch.zeros(num_features, device=device), persistent=False)
         self._sums: torch.Tensor | None = None  # during a pass: count, sum and sum of squares per channel (float64)
         self._chunk_mean = self._chunk_var = None  # during a pass: scratch for batch_norm's statistics of a chunk
@@ -64,8 +65,14 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
     @classmethod
     def from_batchnorm(cls, bn: nn.BatchNorm2d) -> WindowBatchNorm2d:
         """A WindowBatchNorm2d sharing bn's parameters and running statistics (the same tensors)."""
-        new = cls(bn.num_features, eps=bn.eps, momentum=bn.momentum, affine=bn.affine,
-                  track_running_stats=bn.track_running_stats, device=bn.running_mean.device)  # fmt: skip
+        new = cls(
+            bn.num_features,
+            eps=bn.eps,
+            momentum=bn.momentum,
+            affine=bn.affine,
+            track_running_stats=bn.track_running_stats,
+            device=bn.running_mean.device,
+        )
         new.weight, new.bias = bn.weight, bn.bias
         new.running_mean, new.running_var = bn.running_mean, bn.running_var
         new.num_batches_tracked = bn.num_batches_tracked
@@ -170,8 +177,14 @@ class WindowStatistics:
     memory. The pass runs the model's training-mode forward without gradients, so the model must be the raw model,
     not a DDP wrapper: each rank's statistics are those of its own images, and no collective runs."""
 
-    def __init__(self, model: nn.Module, images: int = 0, chunk: int = 0, amp: bool = False,
-                 amp_dtype: torch.dtype = torch.float16):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        images: int = 0,
+        chunk: int = 0,
+        amp: bool = False,
+        amp_dtype: torch.dtype = torch.float16,
+    ):
         self.model = model
         self.layers = [m for m in model.modules() if isinstance(m, WindowBatchNorm2d)]
         assert self.layers, "norm.convert the model first"

@@ -45,9 +45,15 @@ def build_optimizer(model: nn.Module, schedule: Schedule) -> torch.optim.Optimiz
                 continue  # Ultralytics always has weight, bn and bias groups; the others only when used
             _, base_lr, decay = spec[f"{group}_head" if boost else group]
             param_groups.append(
-                {"params": chosen, "param_group": group, "weight_decay": decay, "initial_lr": base_lr,
-                 "lr": base_lr, **({"use_muon": True} if group == "muon" else {})}
-            )  # fmt: skip
+                {
+                    "params": chosen,
+                    "param_group": group,
+                    "weight_decay": decay,
+                    "initial_lr": base_lr,
+                    "lr": base_lr,
+                    **({"use_muon": True} if group == "muon" else {}),
+                }
+            )
     args = schedule.optimizer_args
     if name == "MuSGD":
         from ultralytics.optim import MuSGD

@@ -54,8 +54,9 @@ def run(cfg: Config, images: int | None = None, as_json: bool = False, plot_path
             else data.DatasetSpec(Path(), Path(), (), (), dict.fromkeys(range(nc), ""))
         )
         choice = autobatch.for_plan(cfg, num_images, spec)
-    sched = schedule.build(cfg.replace(batch=choice.batch) if choice else cfg, num_images,
-                           world_size=devices.world_size(cfg.device), nc=nc)  # fmt: skip
+    sched = schedule.build(
+        cfg.replace(batch=choice.batch) if choice else cfg, num_images, world_size=devices.world_size(cfg.device), nc=nc
+    )
     if as_json:
         print(json.dumps(to_json(cfg, sched, choice)), flush=True)
     else:
@@ -117,8 +118,10 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
 
 def lr_scaling_line(s: dict[str, Any]) -> str:
     lrs = ", ".join(f"{k} {v:.4g}" for k, v in s["lr_after_warmup"].items())
-    return (f"lr_scale={s['lr_scale']}: effective batch / nbs = {s['effective_batch_ratio']:.3g} ({s['optimizer']}, "
-            f"{s['optimizer_family']}): lr × {s['lr_multiplier']:.4g}; after warmup {lrs}")  # fmt: skip
+    return (
+        f"lr_scale={s['lr_scale']}: effective batch / nbs = {s['effective_batch_ratio']:.3g} ({s['optimizer']}, "
+        f"{s['optimizer_family']}): lr × {s['lr_multiplier']:.4g}; after warmup {lrs}"
+    )
 
 
 def ramp_ranges(schedule: Schedule) -> list[tuple[int, int, int]]:

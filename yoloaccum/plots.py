@@ -62,16 +62,18 @@ def train_batch_indices(schedule: Schedule, close_mosaic: int) -> frozenset[int]
     return frozenset((*first, *closed))
 
 
-def train_batches(batches: Iterable[dict], first_ni: int, plot_at: frozenset[int], save_dir: Path,
-                  names: dict[int, str]) -> Iterator[dict]:  # fmt: skip
+def train_batches(
+    batches: Iterable[dict], first_ni: int, plot_at: frozenset[int], save_dir: Path, names: dict[int, str]
+) -> Iterator[dict]:
     """The loader's batches, unchanged; those at an iteration in plot_at are also drawn into train_batch{ni}.jpg."""
     from ultralytics.utils.plotting import plot_images
 
     for ni, batch in enumerate(batches, first_ni):
         if ni in plot_at:
             # A shallow copy: the engine replaces batch["img"] with the model's input while the thread still draws.
-            plot_images(labels=dict(batch), paths=batch["im_file"], fname=save_dir / f"train_batch{ni}.jpg",
-                        names=names)  # fmt: skip
+            plot_images(
+                labels=dict(batch), paths=batch["im_file"], fname=save_dir / f"train_batch{ni}.jpg", names=names
+            )
         yield batch
 
 
@@ -90,8 +92,12 @@ def schedule(steps_csv: Path, path: Path) -> None:
     skipped = [r["ni"] for r in rows if r["skipped"]]
     lr_columns = [k for k in rows[0] if k.startswith("lr/")]
     fig, axes = plt.subplots(4, 1, figsize=(9, 9), sharex=True)
-    panels = (("accumulate", ["accumulate"]), ("effective batch", ["effective_batch"]), ("lr", lr_columns),
-              ("momentum", ["momentum"]))  # fmt: skip
+    panels = (
+        ("accumulate", ["accumulate"]),
+        ("effective batch", ["effective_batch"]),
+        ("lr", lr_columns),
+        ("momentum", ["momentum"]),
+    )
     for ax, (title, columns) in zip(axes, panels):
         for column in columns:
             ax.step(ni, [r[column] for r in rows], where="pre", label=column.removeprefix("lr/"))

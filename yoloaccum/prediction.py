@@ -47,8 +47,15 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     out_dir = next_free(Path(cfg.project or "runs/predict") / (cfg.name or "exp"), cfg.exist_ok)
     out_dir.mkdir(parents=True, exist_ok=True)
     imgsz = model.args.get("imgsz", cfg.imgsz) if isinstance(model.args, dict) else cfg.imgsz
-    overrides = {"conf": cfg.conf or 0.25, "iou": cfg.iou, "max_det": cfg.max_det, "imgsz": imgsz, "save": False,
-                 "verbose": False, "device": "cpu" if device.type == "cpu" else str(device.index)}  # fmt: skip
+    overrides = {
+        "conf": cfg.conf or 0.25,
+        "iou": cfg.iou,
+        "max_det": cfg.max_det,
+        "imgsz": imgsz,
+        "save": False,
+        "verbose": False,
+        "device": "cpu" if device.type == "cpu" else str(device.index),
+    }
     predictor = DetectionPredictor(overrides=overrides)
     records = []
     for f, result in zip(files, predictor(source=[str(f) for f in files], model=model, stream=True)):
@@ -63,7 +70,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                         "name": result.names[int(c)],
                         "confidence": round(float(p), 4),
                         "box_xyxy": [round(float(v), 1) for v in xyxy],
-                    }  # fmt: skip
+                    }
                     for c, p, xyxy in zip(boxes.cls, boxes.conf, boxes.xyxy)
                 ],
             }

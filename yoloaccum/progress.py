@@ -32,8 +32,17 @@ def memory_gb(device: torch.device) -> float:
 class EpochProgress:
     """One epoch's display. `update()` is called every micro-batch and is cheap; it reads values back rarely."""
 
-    def __init__(self, epoch: int, epochs: int, num_batches: int, loss_names: tuple[str, ...], log_every: int,
-                 device: torch.device, enabled: bool = True, console: Console | None = None):  # fmt: skip
+    def __init__(
+        self,
+        epoch: int,
+        epochs: int,
+        num_batches: int,
+        loss_names: tuple[str, ...],
+        log_every: int,
+        device: torch.device,
+        enabled: bool = True,
+        console: Console | None = None,
+    ):
         self.epoch, self.epochs, self.nb, self.names = epoch, epochs, num_batches, loss_names
         self.log_every, self.device, self.enabled = log_every, device, enabled
         self.console = console or Console()
@@ -50,8 +59,9 @@ class EpochProgress:
             self.task = self.bar.add_task(f"epoch {epoch + 1}/{epochs}", total=num_batches, stats="")
             self.bar.start()
 
-    def update(self, i: int, items: torch.Tensor, num_images: int, fill: int, accumulate: int, effective_batch: int,
-               lr: float) -> None:  # fmt: skip
+    def update(
+        self, i: int, items: torch.Tensor, num_images: int, fill: int, accumulate: int, effective_batch: int, lr: float
+    ) -> None:
         """Record micro-batch i (0-based); fill/accumulate is the window's progress; items are the loss terms."""
         self.window_sum = items.detach() if self.window_sum is None else self.window_sum + items.detach()
         self.images, self.window_count = self.images + num_images, self.window_count + 1
@@ -63,8 +73,11 @@ class EpochProgress:
             fields = {"stats": self._stats(i, fill, accumulate, effective_batch, lr)} if refresh else {}
             self.bar.update(self.task, completed=i + 1, **fields)
         elif refresh:
-            print(f"epoch {self.epoch + 1}/{self.epochs} {i + 1}/{self.nb} "
-                  f"{self._stats(i, fill, accumulate, effective_batch, lr)}", flush=True)  # fmt: skip
+            print(
+                f"epoch {self.epoch + 1}/{self.epochs} {i + 1}/{self.nb} "
+                f"{self._stats(i, fill, accumulate, effective_batch, lr)}",
+                flush=True,
+            )
 
     def end_window(self, skipped: bool) -> None:
         """The window closed: its losses count towards the epoch's mean unless it was skipped as non-finite."""
@@ -75,8 +88,10 @@ class EpochProgress:
 
     def _stats(self, i: int, fill: int, accumulate: int, effective_batch: int, lr: float) -> str:
         losses = " ".join(f"{n.replace('_loss', '')}={v:.3f}" for n, v in zip(self.names, self.mean_losses()))
-        return (f"window {fill}/{accumulate} eff_batch={effective_batch} lr={lr:.3g} {losses} "
-                f"{self.images_per_second():.1f} img/s mem={memory_gb(self.device):.2f}G")  # fmt: skip
+        return (
+            f"window {fill}/{accumulate} eff_batch={effective_batch} lr={lr:.3g} {losses} "
+            f"{self.images_per_second():.1f} img/s mem={memory_gb(self.device):.2f}G"
+        )
 
     def mean_losses(self) -> list[float]:
         """Mean loss terms per micro-batch over the windows that stepped and the open one (nan when none did)."""
@@ -147,8 +162,17 @@ class StepLog:
                 lrs = [f"lr/pg{i}" for i in range(len(records[0].lrs))]
                 writer.writerow(["ni", "epoch", "accumulate", "effective_batch", *lrs, "momentum", "skipped"])
             for r in records:
-                writer.writerow([r.ni, r.ni // batches_per_epoch + 1, r.micro_batches, r.images,
-                                 *(f"{x:.6g}" for x in r.lrs), f"{r.momentum:.6g}", int(r.skipped)])  # fmt: skip
+                writer.writerow(
+                    [
+                        r.ni,
+                        r.ni // batches_per_epoch + 1,
+                        r.micro_batches,
+                        r.images,
+                        *(f"{x:.6g}" for x in r.lrs),
+                        f"{r.momentum:.6g}",
+                        int(r.skipped),
+                    ]
+                )
 
     def truncate(self, ni: int) -> None:
         """Keep the steps taken before iteration ni: a resumed run rewrites what came after its checkpoint."""

@@ -37,7 +37,7 @@ MAY_CHANGE = {
     "exist_ok",
     "time",  # a new budget for the time left: epochs are re-estimated from it, as Ultralytics does
     "save_minutes",
-}  # fmt: skip  (project/name only find the run for resume=True)
+}  # project and name only find the run for resume=True
 
 # Keys added with a default that changes what a run computes: the value that reproduces a run saved before them.
 BEFORE_THE_KEY = {"mosaic_buffer": "batch"}
@@ -63,11 +63,15 @@ def load(cfg: Config, given_keys: Iterable[str]) -> tuple[Config, dict[str, Any]
     run, done = path.parent.parent, state["position"]["epoch"]
     extend = "epochs" in given and given["epochs"] != saved["epochs"]
     if extend and (not isinstance(given["epochs"], int) or given["epochs"] <= done):
-        raise UserError(f"epochs={given['epochs']}: the run in {run} has done {done} epochs; to continue it, give "
-                        f"epochs greater than {done}")  # fmt: skip
+        raise UserError(
+            f"epochs={given['epochs']}: the run in {run} has done {done} epochs; to continue it, give "
+            f"epochs greater than {done}"
+        )
     if state.get("finished") and not extend:
-        raise UserError(f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
-                        f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}")  # fmt: skip
+        raise UserError(
+            f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
+            f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}"
+        )
     # keys newer than the run: the value it trained with in effect (their default, or how yoloaccum worked before)
     added = {k.name: BEFORE_THE_KEY.get(k.name, k.default) for k in schema().values() if k.name not in saved}
     for key, value in given.items():
@@ -102,9 +106,11 @@ def extension_note(state: dict[str, Any], cfg: Config) -> str | None:
     if epochs == planned:
         return None
     decay = "cosine" if cfg.cos_lr else "linear"
-    note = (f"continuing the run to {epochs} epochs (planned {planned}, {done} done): the lr schedule is rebuilt for "
-            f"{epochs} epochs, so from epoch {done + 1} on the lr follows the {epochs}-epoch {decay} decay to "
-            f"lr0 x lrf at epoch {epochs}")  # fmt: skip
+    note = (
+        f"continuing the run to {epochs} epochs (planned {planned}, {done} done): the lr schedule is rebuilt for "
+        f"{epochs} epochs, so from epoch {done + 1} on the lr follows the {epochs}-epoch {decay} decay to "
+        f"lr0 x lrf at epoch {epochs}"
+    )
     if close:
         first_closed = max(epochs - close, 0) + 1
         mosaic = f"; mosaic is on for epochs {done + 1}-{first_closed - 1}" if done + 1 < first_closed else ""

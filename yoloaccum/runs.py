@@ -86,8 +86,10 @@ class RunDir:
         project = Path(cfg.project or "runs/train")
         name = cfg.name or "exp"
         if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise UserError(f"name={name} would put the run outside project={project}; give a plain name such as "
-                            f"name=exp, and choose the folder with project=")  # fmt: skip
+            raise UserError(
+                f"name={name} would put the run outside project={project}; give a plain name such as "
+                f"name=exp, and choose the folder with project="
+            )
         path = next_free(project / name, cfg.exist_ok)
         created = not path.exists()
         try:

@@ -122,8 +122,11 @@ class Schedule:
     def param_groups(self) -> dict[str, tuple[str, float, float]]:
         """The optimizer's parameter groups by label: (Ultralytics' param_group name, initial lr, weight decay).
         MuSGD adds a muon group (matrices and conv filters), and each group's class-head part as `<name>_head`."""
-        groups = {"weight": ("weight", self.lr0, self.weight_decay), "bn": ("bn", self.lr0, 0.0),
-                  "bias": ("bias", self.lr0, 0.0)}  # fmt: skip
+        groups = {
+            "weight": ("weight", self.lr0, self.weight_decay),
+            "bn": ("bn", self.lr0, 0.0),
+            "bias": ("bias", self.lr0, 0.0),
+        }
         if self.optimizer == "MuSGD":
             groups["muon"] = ("muon", self.lr0, self.weight_decay)
             groups.update({f"{k}_head": (g, lr * HEAD_LR_SCALE, wd) for k, (g, lr, wd) in groups.items()})

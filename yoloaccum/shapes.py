@@ -61,8 +61,9 @@ def shape_mask(cls: int, cx: float, cy: float, size: float, angle: float, imgsz:
         pts = 1.2 * s * np.stack([np.cos(a), -np.sin(a)], axis=1)
     else:  # cross: a plus sign whose arms are a third of its span thick
         t = s / 3
-        pts = np.array([[-t, -s], [t, -s], [t, -t], [s, -t], [s, t], [t, t],
-                        [t, s], [-t, s], [-t, t], [-s, t], [-s, -t], [-t, -t]])  # fmt: skip
+        pts = np.array(
+            [[-t, -s], [t, -s], [t, -t], [s, -t], [s, t], [t, t], [t, s], [-t, s], [-t, t], [-s, t], [-s, -t], [-t, -t]]
+        )
     r = np.deg2rad(angle)
     rot = np.array([[np.cos(r), -np.sin(r)], [np.sin(r), np.cos(r)]])
     pts = pts @ rot.T + [cx, cy]
@@ -104,8 +105,9 @@ def _pick_colour(rng: np.random.Generator, canvas: np.ndarray, mask: np.ndarray)
     return colours[ok[0] if ok.size else int(score.argmax())]
 
 
-def _place(rng: np.random.Generator, cls: int, imgsz: int, masks: list[np.ndarray],
-           covered: list[np.ndarray]) -> np.ndarray | None:  # fmt: skip
+def _place(
+    rng: np.random.Generator, cls: int, imgsz: int, masks: list[np.ndarray], covered: list[np.ndarray]
+) -> np.ndarray | None:
     """Mask of a new shape that hides at most _MAX_COVERED of each earlier one, or None if no try fits."""
     scale = imgsz / _REF_IMGSZ
     size = rng.uniform(_MIN_SIZE, _MAX_SIZE) * scale
@@ -149,12 +151,22 @@ def render(seed: int, split: str, index: int, imgsz: int = 160) -> tuple[np.ndar
 
 def _params(num_train: int, num_val: int, imgsz: int, seed: int) -> dict[str, Any]:
     """The marker's content; also where arguments a user typed are checked."""
-    for name, value, low in (("num_train", num_train, 1), ("num_val", num_val, 1), ("imgsz", imgsz, 64),
-                             ("seed", seed, 0)):  # fmt: skip
+    for name, value, low in (
+        ("num_train", num_train, 1),
+        ("num_val", num_val, 1),
+        ("imgsz", imgsz, 64),
+        ("seed", seed, 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"shapes: {name} must be an integer >= {low}, got {value!r}")
-    return {"version": GENERATOR_VERSION, "classes": list(CLASSES), "num_train": num_train, "num_val": num_val,
-            "imgsz": imgsz, "seed": seed}  # fmt: skip
+    return {
+        "version": GENERATOR_VERSION,
+        "classes": list(CLASSES),
+        "num_train": num_train,
+        "num_val": num_val,
+        "imgsz": imgsz,
+        "seed": seed,
+    }
 
 
 def _read_marker(root: Path) -> dict[str, Any] | None:
@@ -178,8 +190,10 @@ def _clear_split(root: Path, split: str) -> None:
     files = [f for d in dirs if d.is_dir() for f in d.iterdir()]
     foreign = [f for f in files if not (f.is_file() and _FILE_RE.match(f.name))]
     if foreign:
-        raise UserError(f"shapes: {foreign[0]} was not written by the shapes generator; "
-                        f"choose an empty or new folder instead of {root}")  # fmt: skip
+        raise UserError(
+            f"shapes: {foreign[0]} was not written by the shapes generator; "
+            f"choose an empty or new folder instead of {root}"
+        )
     for f in files:
         f.unlink()
     # Ultralytics caches labels beside the split folder; a stale cache would describe the old files.
@@ -207,8 +221,9 @@ def generate(root: Path, num_train: int = 512, num_val: int = 100, imgsz: int = 
     (root / MARKER).unlink(missing_ok=True)
     for split in SPLITS:
         _clear_split(root, split)
-    LOGGER.info("generating %d train + %d val shapes images (%d px, seed %d) in %s",
-                num_train, num_val, imgsz, seed, root)  # fmt: skip
+    LOGGER.info(
+        "generating %d train + %d val shapes images (%d px, seed %d) in %s", num_train, num_val, imgsz, seed, root
+    )
     for split, num in zip(SPLITS, (num_train, num_val), strict=True):
         _write_split(root, split, num, imgsz, seed)
     tmp = root / (MARKER + ".tmp")

@@ -74,8 +74,11 @@ def of(t: Trainer, position: tuple[int, int], finished: bool = False, interrupte
 def rank_state(t: Trainer) -> dict[str, Any]:
     """What each rank holds apart from the others: random states, mosaic buffer, the engine's own (its part of an
     open window, and the iterations where it ran out of memory)."""
-    return {"rng": rng_state(t.loader.generator), **t.engine.state_dict(),
-            "mosaic_buffer": list(getattr(t.train_set, "buffer", []))}  # fmt: skip
+    return {
+        "rng": rng_state(t.loader.generator),
+        **t.engine.state_dict(),
+        "mosaic_buffer": list(getattr(t.train_set, "buffer", [])),
+    }
 
 
 def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -83,13 +86,17 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
     or one this version cannot read, is refused with one line that says what to do instead."""
     state = ckpt.get("yoloaccum")
     if state and state.get("stripped"):
-        raise UserError(f"{path} holds only the weights (best.pt is stripped for shipping); resume from "
-                        f"{path.parent / 'last.pt'}, or start a new run with pretrained={path}")  # fmt: skip
+        raise UserError(
+            f"{path} holds only the weights (best.pt is stripped for shipping); resume from "
+            f"{path.parent / 'last.pt'}, or start a new run with pretrained={path}"
+        )
     version = state.get("format", 1) if isinstance(state, dict) else None
     if version is not None and (not isinstance(version, int) or version > FORMAT):  # before the layout: it may differ
-        raise UserError(f"{path} holds a training state of format {version}, newer than this yoloaccum reads "
-                        f"(up to {FORMAT}); resume with the yoloaccum that wrote it, or start a new run with "
-                        f"pretrained={path}")  # fmt: skip
+        raise UserError(
+            f"{path} holds a training state of format {version}, newer than this yoloaccum reads "
+            f"(up to {FORMAT}); resume with the yoloaccum that wrote it, or start a new run with "
+            f"pretrained={path}"
+        )
     if not state or "position" not in state:
         raise UserError(f"{path} was not written by yoloaccum train; start a new run with pretrained={path}")
     if "ranks" not in state:
@@ -98,9 +105,11 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
             f"it with that version, or start a new run with pretrained={path}"
         )
     if version < 3 and state.get("config", {}).get("bn") == "window":
-        raise UserError(f"{path} trained with bn=window's earlier queue of past micro-batches' statistics, which this "
-                        "yoloaccum replaced by each window's own statistics; finish it with the yoloaccum that wrote "
-                        f"it, or start a new run with pretrained={path}")  # fmt: skip
+        raise UserError(
+            f"{path} trained with bn=window's earlier queue of past micro-batches' statistics, which this "
+            "yoloaccum replaced by each window's own statistics; finish it with the yoloaccum that wrote "
+            f"it, or start a new run with pretrained={path}"
+        )
     return {**state, "format": FORMAT}  # formats 1 and 2 have format 3's layout, with keys it no longer reads
 
 
@@ -134,9 +143,11 @@ def _restore_rank(t: Trainer, ranks: list[dict[str, Any]]) -> None:
     continue exactly; the augmentation draws cannot, since each rank now sees other images."""
     rank, same = t.ctx.rank, len(ranks) == t.ctx.world_size
     if not same and t.run is not None:
-        t.run.console.print(f"resuming {len(ranks)} rank(s) on {t.ctx.world_size}: the weights, optimizer, image "
-                            "order and schedule continue exactly; augmentation draws differ from the uninterrupted "
-                            "run")  # fmt: skip
+        t.run.console.print(
+            f"resuming {len(ranks)} rank(s) on {t.ctx.world_size}: the weights, optimizer, image "
+            "order and schedule continue exactly; augmentation draws differ from the uninterrupted "
+            "run"
+        )
     mine = ranks[rank] if rank < len(ranks) else None
     window = mine["open_window"] if same else None
     if not same and rank == 0:  # the saved ranks' window, summed, goes to rank 0: the all-reduce sums it with the rest

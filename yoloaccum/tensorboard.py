@@ -29,8 +29,10 @@ class TensorBoard:
     @classmethod
     def for_run(cls, t: Trainer) -> TensorBoard | None:
         if importlib.util.find_spec("tensorboard") is None:
-            t.run.console.print("[yellow]warning:[/] tensorboard=True, but the tensorboard package is not installed "
-                                "(pip install tensorboard); training without a TensorBoard log")  # fmt: skip
+            t.run.console.print(
+                "[yellow]warning:[/] tensorboard=True, but the tensorboard package is not installed "
+                "(pip install tensorboard); training without a TensorBoard log"
+            )
             return None
         return cls(t.run.path)
 

@@ -175,9 +175,11 @@ class Trainer(Parts):
         pool = self.train_set.max_buffer_length
         theirs = min(len(self.train_set), s.micro_batch * 8, 1000)  # Ultralytics' sizing, by the micro-batch
         if cfg.mosaic and cfg.mosaic_buffer == "window" and pool > theirs:
-            self.run.console.print(f"mosaic: each image's partners come from the last {pool} images loaded, as a real "
-                                   f"batch of {s.effective_batch} draws them (mosaic_buffer=window; sized by the "
-                                   f"micro-batch, as Ultralytics does, it would be {theirs})")  # fmt: skip
+            self.run.console.print(
+                f"mosaic: each image's partners come from the last {pool} images loaded, as a real "
+                f"batch of {s.effective_batch} draws them (mosaic_buffer=window; sized by the "
+                f"micro-batch, as Ultralytics does, it would be {theirs})"
+            )
         if self.frozen:
             layers = _layer_list(self.frozen)
             self.run.console.print(
@@ -188,12 +190,16 @@ class Trainer(Parts):
         if self.bn == "window":
             window = s.effective_batch // self.ctx.world_size
             images = f"first {min(cfg.bn_window, window)}" if cfg.bn_window else str(window)
-            self.run.console.print(f"BatchNorm: {chosen or 'bn=window'}: each micro-batch of {s.micro_batch} "
-                                   f"normalised with the statistics of its window's {images} images on its device, "
-                                   "from a forward pass over them before the window's first micro-step")  # fmt: skip
+            self.run.console.print(
+                f"BatchNorm: {chosen or 'bn=window'}: each micro-batch of {s.micro_batch} "
+                f"normalised with the statistics of its window's {images} images on its device, "
+                "from a forward pass over them before the window's first micro-step"
+            )
         elif chosen:
-            self.run.console.print(f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as "
-                                   f"Ultralytics does (it takes bn=window below {BN_AUTO_BELOW})")  # fmt: skip
+            self.run.console.print(
+                f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as "
+                f"Ultralytics does (it takes bn=window below {BN_AUTO_BELOW})"
+            )
 
     def _compile(self) -> None:
         say = self.run.console.print if self.run else (lambda message: None)
@@ -210,8 +216,15 @@ class Trainer(Parts):
         self.loader.batch_sampler.set_epoch(epoch, start)
         self.engine.model.train()
         model_.set_bn_mode(self.engine.model, cfg.bn, self.frozen)
-        progress = EpochProgress(epoch, s.epochs, s.batches_per_epoch, self.loss_names, self.cfg.log_every,
-                                 self.ctx.device, enabled=self.run is not None)  # fmt: skip
+        progress = EpochProgress(
+            epoch,
+            s.epochs,
+            s.batches_per_epoch,
+            self.loss_names,
+            self.cfg.log_every,
+            self.ctx.device,
+            enabled=self.run is not None,
+        )
 
         def on_micro_step(i, items, images, fill, accumulate, lr):
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
@@ -220,8 +233,9 @@ class Trainer(Parts):
 
         batches = self.loader
         if self.run and self.plot_at:
-            batches = plots.train_batches(batches, epoch * s.batches_per_epoch + start, self.plot_at, self.run.path,
-                                          self.spec.names)  # fmt: skip
+            batches = plots.train_batches(
+                batches, epoch * s.batches_per_epoch + start, self.plot_at, self.run.path, self.spec.names
+            )
         if cfg.multi_scale:  # where batches leave the loader: bn=window's pass sees the sizes the micro-steps train
             batches = multiscale.resized(batches, cfg.imgsz, cfg.multi_scale, cfg.seed, epoch, start, self.ctx.device)
         try:

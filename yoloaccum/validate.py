@@ -26,12 +26,25 @@ METRIC_KEYS = ("metrics/precision(B)", "metrics/recall(B)", "metrics/mAP50(B)", 
 class Evaluator:
     """Validates a model on one split; `evaluate(model, criterion)` returns Ultralytics' metric dict (+ val losses)."""
 
-    def __init__(self, cfg: Config, spec: DatasetSpec, save_dir: Path, batch: int, device: torch.device,
-                 log: Callable[[str], None] = print):  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        spec: DatasetSpec,
+        save_dir: Path,
+        batch: int,
+        device: torch.device,
+        log: Callable[[str], None] = print,
+    ):
         from ultralytics.models.yolo.detect import DetectionValidator
 
-        args = ultralytics_args(cfg, mode="val", batch=batch, conf=cfg.conf or 0.001, data=str(spec.yaml_file),
-                                workers=batches.loader_workers(cfg.workers, device))  # fmt: skip
+        args = ultralytics_args(
+            cfg,
+            mode="val",
+            batch=batch,
+            conf=cfg.conf or 0.001,
+            data=str(spec.yaml_file),
+            workers=batches.loader_workers(cfg.workers, device),
+        )
         self.validator = v = DetectionValidator(save_dir=save_dir, args=args)
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: no JSON; plots only when asked
@@ -108,8 +121,15 @@ class Evaluator:
             table.add_column(col, justify="left" if col == "class" else "right")
         for i, c in enumerate(v.metrics.ap_class_index):
             p, r, m50, m = v.metrics.class_result(i)
-            table.add_row(v.names[c], str(v.metrics.nt_per_image[c]), str(v.metrics.nt_per_class[c]),
-                          f"{p:.3f}", f"{r:.3f}", f"{m50:.3f}", f"{m:.3f}")  # fmt: skip
+            table.add_row(
+                v.names[c],
+                str(v.metrics.nt_per_image[c]),
+                str(v.metrics.nt_per_class[c]),
+                f"{p:.3f}",
+                f"{r:.3f}",
+                f"{m50:.3f}",
+                f"{m:.3f}",
+            )
         return table
 
 
