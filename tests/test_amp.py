@@ -100,35 +100,71 @@ def test_one_unscale_step_and_update_per_window():
     assert engine.ema.updates == 2 and engine.skipped == []
 
 
-def test_an_overflowing_window_is_skipped_counted_and_leaves_weights_ema_and_batchnorm_untouched():
-    """A scale of 2**40 overflows fp16 gradients while the fp32 loss stays finite: today's scaler path stepped the EMA
-    and kept the window's BatchNorm statistics. Now the window is skipped like any non-finite one."""
+def test_an_overflowing_window_runs_again_at_half_the_scale_and_ends_with_that_scales_gradient():
+    """A scale of 2**40 overflows fp16 gradients while the fp32 loss stays finite: the scaler finding its scale. The
+    window is not skipped but run again, its BatchNorm statistics put back first, at half the scale each time,
+    until its gradients fit; the step then takes exactly the gradient the same window has when run at that scale."""
     model = bn_model()
+    fresh = copy.deepcopy(model)
     engine = engine_for(model, num_images=16, batch=4, nbs=16, init_scale=2.0**40)
-    weights = [p.detach().clone() for p in model.parameters()]
-    buffers = [b.clone() for b in model.buffers()]
-    ema = [v.clone() for v in engine.ema.ema.state_dict().values()]
+    seen = []
+    engine.optimizer.register_step_pre_hook(lambda opt, *_: seen.append([p.grad.clone() for p in model.parameters()]))
     engine.train_epoch(0, batches(16, 4))
-    assert engine.skipped == [3] and engine.history[-1].skipped
-    assert engine.scaler.get_scale() == 2.0**39
-    assert engine.ema.updates == 0
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
-    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers))
-    assert all(torch.equal(a, b) for a, b in zip(engine.ema.ema.state_dict().values(), ema))
-    assert engine.skipped_in_a_row == 0  # the scaler finding its scale, not a divergence
+    replays = len(engine.replays)
+    assert replays > 0 and engine.replays == [3] * replays and engine.skipped == []
+    assert engine.history[-1].replays == replays and not engine.history[-1].skipped
+    assert engine.ema.updates == 1 and engine.skipped_in_a_row == 0
+    final_scale = 2.0**40 / 2**replays
+    again = engine_for(fresh, num_images=16, batch=4, nbs=16, init_scale=final_scale)
+    reference = []
+    again.optimizer.register_step_pre_hook(
+        lambda opt, *_: reference.append([p.grad.clone() for p in fresh.parameters()])
+    )
+    again.train_epoch(0, batches(16, 4))
+    assert again.replays == [] and len(seen) == len(reference) == 1
+    for a, b in zip(seen[0], reference[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same computation at the same scale: bitwise
+    for a, b in zip(model.buffers(), fresh.buffers()):  # BatchNorm saw the window once, not once per replay
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_no_window_of_the_real_model_is_lost_while_the_scaler_finds_its_scale():
+    """yolo26n at 64 px with the real WindowLoss, fp16 autocast and GradScaler("cpu") at its default start of 2**16,
+    which overflows the first windows' gradients: every window steps, after runs again at smaller scales."""
+    from ultralytics.nn.tasks import DetectionModel
+
+    from yoloaccum import loss
+    from yoloaccum.autobatch import synthetic_batch
+    from yoloaccum.ultra import ultralytics_args
+
+    torch.manual_seed(0)
+    model = DetectionModel("yolo26n.yaml", nc=4, verbose=False)
+    model.args = ultralytics_args(config.resolve(overrides={}))
+    model.train()
+    data = [synthetic_batch(2, 64, 3, torch.device("cpu")) for _ in range(2)]  # fp16 on the CPU is slow: 2 windows
+    e = engine_for(model, num_images=4, batch=2, nbs=2, init_scale=2.0**16, loss=loss.WindowLoss(model, "window"))
+    e.train_epoch(0, data)
+    assert e.replays, "the scaler's start did not overflow: this test no longer tests the replay"
+    assert e.skipped == [] and len(e.history) == 2 and not any(r.skipped for r in e.history)
+    assert e.ema.updates == 2 and e.scaler.get_scale() < 2.0**16
 
 
 def test_nan_patience_fires_on_nan_gradients_under_amp():
-    """Gradients NaN for ever, loss finite: the scale halves each window; once below AMP_SCALE_FLOOR every skipped
-    window counts, and nan_patience stops the run (today it never fired: only a non-finite loss counted)."""
+    """Gradients NaN for ever, loss finite: the first window runs again at halved scales down to AMP_SCALE_FLOOR
+    (8 -> 4 -> 2 -> 1); below it each window is skipped and counts, and nan_patience stops the run."""
     model = bn_model()
     model[0].weight.register_hook(lambda g: g * float("nan"))
+    weights = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
     engine = engine_for(model, num_images=4 * 40, batch=4, nbs=4, init_scale=8.0, nan_patience=3)
     result = engine.train_epoch(0, batches(4 * 40, 4))
     assert result.stopped == "diverged"
-    # 8 -> 4 -> 2 -> 1 are the scaler calibrating; 0.5, 0.25, 0.125 count: six windows, then the stop
-    assert engine.skipped == [0, 1, 2, 3, 4, 5] and engine.scaler.get_scale() < AMP_SCALE_FLOOR
+    assert engine.replays == [0, 0, 0] and engine.skipped == [0, 1, 2]
+    assert engine.scaler.get_scale() < AMP_SCALE_FLOOR
     assert engine.ema.updates == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers))  # skipped windows' statistics put back
 
 
 def test_a_non_finite_loss_with_finite_gradients_does_not_step_under_amp():

@@ -71,6 +71,8 @@ class Engine:
     window_statistics: Callable[[list[dict[str, Any]]], None] | None = None  # bn=window's pass (norm.py), if any
     window_ahead: list[dict[str, Any]] = field(default_factory=list)  # the batches the last statistics pass saw
     save_due: bool = False  # a rank asked, in the window just stepped, for last.pt at this boundary
+    replays: list[int] = field(default_factory=list)  # iterations whose window ran again after an AMP overflow
+    replayed: int = 0  # times the open window has run again
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -269,6 +271,8 @@ class Engine:
         votes = [c.images, c.non_finite_losses, c.stop_votes, c.save_votes, norm.float().reshape(1)]
         images, bad_losses, stop_votes, save_votes, norm = torch.cat(votes).tolist()  # sync: the window's one
         finite = bad_losses == 0 and math.isfinite(norm)
+        if not finite and self._can_replay(bad_losses):
+            return self._replay(ni, stop_requested, save_requested)
         optim.set_hyperparameters(self.optimizer, self.schedule, ni)  # also for a skipped step: schedule.csv logs it
         if finite:
             self.scaler.step(self.optimizer)  # the gradients are finite, so it steps
@@ -280,11 +284,41 @@ class Engine:
             self.skipped_in_a_row = 0
         else:
             self._skip(ni, "loss" if bad_losses else "gradient")
-        self.history.append(StepRecord.of(ni, self.micro_batches_in_window, int(images), self.optimizer, finite))
+        record = StepRecord.of(ni, self.micro_batches_in_window, int(images), self.optimizer, finite, self.replayed)
+        self.history.append(record)
         c.tensor.zero_()
         self.micro_batches_in_window = 0
+        self.replayed = 0
         self.save_due = save_votes > 0
         return stop_votes > 0
+
+    def _can_replay(self, bad_losses: float) -> bool:
+        """Whether a window that overflowed runs again: with AMP's scaler, a finite loss whose scaled gradients
+        overflowed is the scaler finding its scale (it starts at 2**16), not the data's fault. The window's images
+        must be at hand (not a window reopened from last.pt), and half the scale at least AMP_SCALE_FLOOR, below which
+        the overflow counts as a non-finite window. Every rank decides alike: the norm is of all-reduced gradients."""
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 0.0
+        return bad_losses == 0 and bool(self.window_batches) and scale * 0.5 >= AMP_SCALE_FLOOR
+
+    def _replay(self, ni: int, stop_requested: bool, save_requested: bool) -> bool:
+        """Run the window again at half the scale, as the out-of-memory back-off runs a window again: gradients,
+        counts and BatchNorm statistics dropped, the statistics pass and every micro-step run anew on the same
+        images; then step() it. No image of the window is lost to the scaler's search."""
+        self.scaler.update()  # unscale_ found the overflow: this halves the scale
+        self.optimizer.zero_grad(set_to_none=True)
+        self.window_counts.tensor.zero_()
+        self.micro_batches_in_window = 0
+        if self.window_buffers is not None:
+            self.window_buffers.put_back()
+        self.replayed += 1
+        self.replays.append(ni)
+        self.log(f"iteration {ni}: AMP overflow, the window runs again at scale {self.scaler.get_scale():g}")
+        window, first = self.window_batches, ni - len(self.window_batches) + 1
+        if self.window_statistics is not None:
+            self.window_statistics(self.window_ahead)
+        for k, batch in enumerate(window):
+            self.iteration(first + k, batch, k == len(window) - 1)
+        return self.step(ni, stop_requested, save_requested)
 
     def _skip(self, ni: int, what: str) -> None:
         """A window not stepped: its BatchNorm statistics put back, and counted towards nan_patience unless it is AMP

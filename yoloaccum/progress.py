@@ -147,7 +147,8 @@ class Results:
 
 class StepLog:
     """schedule.csv: one row per optimizer step as the engine took it (window.StepRecord), appended once per epoch
-    from records kept in memory, so logging adds no host sync and no file write inside an epoch."""
+    from records kept in memory, so logging adds no host sync and no file write inside an epoch. `replays` counts
+    the times a window ran again after an AMP overflow before it stepped."""
 
     def __init__(self, save_dir: Path):
         self.file = save_dir / "schedule.csv"
@@ -156,23 +157,18 @@ class StepLog:
         if not records:
             return
         new = not self.file.exists()
+        # a run resumed from before the replays column keeps its file's columns
+        replays = new or "replays" in self.file.open().readline()
         with open_in_run(self.file, "a") as f:
             writer = csv.writer(f)
             if new:
                 lrs = [f"lr/pg{i}" for i in range(len(records[0].lrs))]
-                writer.writerow(["ni", "epoch", "accumulate", "effective_batch", *lrs, "momentum", "skipped"])
-            for r in records:
                 writer.writerow(
-                    [
-                        r.ni,
-                        r.ni // batches_per_epoch + 1,
-                        r.micro_batches,
-                        r.images,
-                        *(f"{x:.6g}" for x in r.lrs),
-                        f"{r.momentum:.6g}",
-                        int(r.skipped),
-                    ]
+                    ["ni", "epoch", "accumulate", "effective_batch", *lrs, "momentum", "skipped", "replays"]
                 )
+            for r in records:
+                row = [r.ni, r.ni // batches_per_epoch + 1, r.micro_batches, r.images, *(f"{x:.6g}" for x in r.lrs)]
+                writer.writerow([*row, f"{r.momentum:.6g}", int(r.skipped), *([r.replays] if replays else [])])
 
     def truncate(self, ni: int) -> None:
         """Keep the steps taken before iteration ni: a resumed run rewrites what came after its checkpoint."""

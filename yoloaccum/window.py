@@ -40,12 +40,15 @@ class StepRecord:
     lrs: tuple[float, ...]
     momentum: float
     skipped: bool
+    replays: int = 0  # times the window ran again after an AMP overflow before this step
 
     @classmethod
-    def of(cls, ni: int, micro_batches: int, images: int, optimizer: torch.optim.Optimizer, finite: bool) -> StepRecord:
+    def of(
+        cls, ni: int, micro_batches: int, images: int, optimizer: torch.optim.Optimizer, finite: bool, replays: int = 0
+    ) -> StepRecord:
         g = optimizer.param_groups
         momentum = g[0]["momentum"] if "momentum" in g[0] else g[0].get("betas", (math.nan,))[0]
-        return cls(ni, micro_batches, images, tuple(x["lr"] for x in g), momentum, not finite)
+        return cls(ni, micro_batches, images, tuple(x["lr"] for x in g), momentum, not finite, replays)
 
 
 @dataclass(frozen=True)
