@@ -239,3 +239,38 @@ def test_under_torchrun_each_local_rank_takes_its_listed_device():
     assert rank_device([1], 0, 1) == 1
     with pytest.raises(UserError, match="lists 1 device"):
         rank_device([0], 1, 2)
+
+
+def test_ddp_is_built_with_the_buffer_switch_this_torch_names():
+    """torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers; torch 2.11, on the lent GPU machines,
+    knows only the old name, and a keyword it does not take would fail every multi-GPU run at its start."""
+    import inspect
+
+    from torch import nn
+
+    from yoloaccum import distributed
+
+    class Before213:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True): ...
+
+    assert distributed.no_buffer_sync(Before213) == {"broadcast_buffers": False}
+    (name,) = distributed.no_buffer_sync()
+    assert name in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_a_rank_killed_under_max_restarts_is_restarted_and_the_job_ends_with_the_uninterrupted_weights(tmp_path):
+    """torchrun --max-restarts=1: rank 1 is killed with SIGKILL in epoch 2 (a lost machine); torch's elastic agent
+    restarts both ranks with the same command, they find their run by the job's id and resume from epoch 1's
+    last.pt, and the job ends bitwise where a job that was never interrupted ends, in the same run folder."""
+    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
+    args = ("-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
+            "workers=0", "warmup_epochs=1", "close_mosaic=0", "val=False", f"project={tmp_path}")  # fmt: skip
+    full = torchrun(2, *args, "name=full", env=SERIAL)
+    assert full.returncode == 0, full.stderr[-3000:]
+    r = torchrun(2, "--max-restarts=1", *args, "name=elastic", env={**SERIAL, "YOLOACCUM_FAULT": "kill@8:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "torchrun restarted this job (restart 1): resuming from" in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("elastic")) == ["elastic"]
+    assert relative_difference(final_weights(tmp_path / "elastic"), final_weights(tmp_path / "full")) == 0.0

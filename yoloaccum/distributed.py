@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import inspect
 import json
 import os
 import re
@@ -130,9 +131,24 @@ def setup(device: str | None, timeout_s: float = 1800) -> Context:
         # on every collective, SyncBatchNorm's included). The window's one host-side collective waits with ddp_timeout
         # itself (all_reduce_sum), so a hung rank is named there; the watchdog's own timeout comes a little later.
         pg_timeout = timeout_s + NCCL_WATCHDOG_MARGIN_S if dev.type == "cuda" else timeout_s
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=pg_timeout))
+        timeout = timedelta(seconds=pg_timeout)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout, **restarted_store(rank, world, timeout))
         atexit.register(_collect_before_teardown)
     return Context(rank, local_rank, world, dev, timeout_s)
+
+
+def restarted_store(rank: int, world: int, timeout: timedelta) -> dict[str, Any]:
+    """The rendezvous of a job torchrun --max-restarts restarted: its ranks meet in the agent's store, where the
+    failed attempt's process group left its addresses, and without a prefix of their own the new ranks dial the
+    dead ones (seen with torch 2.14's --standalone). Each restart gets its own prefix; a first attempt, or another
+    launcher, takes init_process_group's own env:// rendezvous."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"yoloaccum/restart_{restart}", store), "rank": rank, "world_size": world}
 
 
 def _collect_before_teardown() -> None:
@@ -154,9 +170,16 @@ def wrap(model: nn.Module, ctx: Context, bn: str) -> nn.Module:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # Buffers are not broadcast from rank 0 at each forward: that would be a second collective per window, on top of
-    # the gradient all-reduce. Each rank keeps its own BatchNorm statistics, as Ultralytics does (torch >= 2.13 names
-    # the switch forward_sync_buffers; broadcast_buffers is its deprecated alias).
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+    # the gradient all-reduce. Each rank keeps its own BatchNorm statistics, as Ultralytics does.
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, **no_buffer_sync())
+
+
+def no_buffer_sync(ddp: type = nn.parallel.DistributedDataParallel) -> dict[str, bool]:
+    """DDP's switch for broadcasting buffers at each forward, off, by the name this torch takes: torch 2.13 renamed
+    broadcast_buffers to forward_sync_buffers (the old name is a deprecated alias there, and all earlier ones know
+    only it)."""
+    name = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters else None
+    return {name or "broadcast_buffers": False}
 
 
 def no_sync(model: nn.Module, skip: bool):

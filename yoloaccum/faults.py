@@ -7,7 +7,8 @@ forever, as a rank stuck in a driver or a file system), `enospc` / `eio` (every 
 on fails halfway, as on a full or failing disk: checkpoints, results.csv, schedule.csv, args.yaml), or `oom`
 (torch.OutOfMemoryError, what CUDA raises when the device is full), once.
 
-The trainer calls install() once, as it builds the run. Without the variable it returns at once and nothing else
+Under torchrun --max-restarts a fault fires in the job's first attempt only, so the restarted job shows the
+recovery. The trainer calls install() once, as it builds the run. Without the variable it returns at once and nothing else
 looks for a fault: the engine and the checkpoint writer carry no test branches. With it, the one engine's
 `iteration` is wrapped, and a disk fault replaces checkpoint._write and checkpoint._open.
 """
@@ -71,6 +72,8 @@ class Fault:
 def install(engine, environ=os.environ) -> Fault | None:
     """Wrap engine.iteration with the fault YOLOACCUM_FAULT names for this rank, if any; returns it."""
     spec = environ.get("YOLOACCUM_FAULT")
+    if int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")):  # the first attempt fails; the restarted job recovers
+        return None
     fault = Fault.parse(spec, engine.ctx.rank) if spec else None
     if fault is None:
         return None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from yoloaccum import elastic
 from yoloaccum.checkpoint import open_in_run
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
@@ -101,6 +102,7 @@ class RunDir:
             raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
         run = cls(path, created=created)
         run.write_args(cfg)
+        elastic.mark(path)  # under torchrun: a job it restarts finds its run here
         for log in ("results.csv", "schedule.csv"):
             (path / log).unlink(missing_ok=True)  # exist_ok reuses the folder, not an old run's rows
         return run

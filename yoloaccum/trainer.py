@@ -23,6 +23,7 @@ from yoloaccum import (
     compiler,
     components,
     distributed,
+    elastic,
     epoch_end,
     faults,
     multiscale,
@@ -348,6 +349,9 @@ def run(given: dict[str, Any]) -> TrainResult:
     """api.train's work: resolve the config of the keys `given` (or of the run they resume), train, and say where
     the weights are. With several devices outside torchrun, torchrun runs the ranks and this process waits."""
     cfg, ckpt, path = resolve(overrides=given), None, None
+    if not cfg.resume and (folder := elastic.restarted_run(cfg.project)) is not None:
+        given = elastic_continuation(folder, given)
+        cfg = resolve(overrides=given)
     if cfg.resume:
         cfg, ckpt, path = resume.load(cfg, given)
     if cfg.data is None:
@@ -376,6 +380,19 @@ def run(given: dict[str, Any]) -> TrainResult:
         return TrainResult(metrics, trainer.run.path if trainer.run else None)
     finally:
         distributed.cleanup()
+
+
+def elastic_continuation(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a job torchrun restarted: resume from its run's last.pt, or, where the first attempt wrote
+    none, train again from the start in the same folder."""
+    last = folder / "weights/last.pt"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if int(os.environ.get("RANK", "0")) == 0:
+        went_on = f"resuming from {last}" if last.exists() else f"starting again in {folder} (no last.pt yet)"
+        print(f"torchrun restarted this job (restart {restart}): {went_on}", flush=True)
+    if last.exists():
+        return {**given, "resume": str(last)}
+    return {**given, "project": str(folder.parent), "name": folder.name, "exist_ok": True}
 
 
 def _layer_list(frozen: tuple[str, ...]) -> str:
