@@ -263,6 +263,13 @@ def cli_in_process(monkeypatch, capsys) -> Callable[..., subprocess.CompletedPro
         yield run
 
 
+@pytest.fixture
+def settings_kept() -> Iterator[None]:
+    """For tests that build or run a run in this process: its global settings put back afterwards."""
+    with global_settings_kept():
+        yield
+
+
 @contextlib.contextmanager
 def global_settings_kept() -> Iterator[None]:
     """Put back, on the way out, the process-wide settings a run makes (runs.seed_everything: deterministic kernels,

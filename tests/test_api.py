@@ -5,19 +5,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, global_settings_kept, offline_env, shapes_yaml
+from conftest import REPO, TINY_MODEL, offline_env, shapes_yaml
 
 import yoloaccum
 from yoloaccum import UserError, train
 
+pytestmark = pytest.mark.usefixtures("settings_kept")  # runs built in this process
 TINY = dict(model=TINY_MODEL, imgsz=64, epochs=1, batch=4, nbs=8, workers=0, plots=False, warmup_epochs=0)
-
-
-@pytest.fixture(autouse=True)
-def settings_kept():
-    """A run in this process sets deterministic kernels and the environment: put back for the next test."""
-    with global_settings_kept():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from conftest import (
     SERIAL,
     TINY_MODEL,
     final_weights,
-    global_settings_kept,
     offline_env,
     relative_difference,
     shapes_yaml,
@@ -26,15 +25,9 @@ from conftest import (
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
 from yoloaccum import checkpoint, clock, components, config, distributed, freeze, multiscale, norm, precise_bn
 
+pytestmark = pytest.mark.usefixtures("settings_kept")  # runs built in this process
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SMALL = ("imgsz=64", "batch=4", "nbs=8", "workers=0", "warmup_epochs=0", "close_mosaic=0", "plots=False")
-
-
-@pytest.fixture(autouse=True)
-def settings_kept():
-    """The runs built in this process set deterministic kernels and the environment: put back for the next test."""
-    with global_settings_kept():
-        yield
 
 
 @pytest.fixture(scope="module")
