@@ -129,16 +129,25 @@ def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path,
     assert Path("weights/best.pt") in files["ddp"]
 
 
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple[tuple[str, ...], Path]:
+    """A 2-rank job with mosaic on, never interrupted: its arguments (less project=) and its run folder."""
+    folder = tmp_path_factory.mktemp("two_rank_run")
+    data = shapes_yaml(folder, num_train=24, num_val=6, seed=7)
+    args = ("-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
+            "workers=0", "warmup_epochs=1", "close_mosaic=0", "val=False")  # fmt: skip
+    full = torchrun(2, *args, f"project={folder}", "name=full", env=SERIAL)
+    assert full.returncode == 0, full.stderr[-3000:]
+    return args, folder / "full"
+
+
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_path, run_cli):
+def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(two_rank_run, tmp_path, run_cli):
     """Every rank restores its own random states and mosaic buffer: 2 ranks, mosaic on, stopped mid-epoch by a SIGINT
     that reaches rank 1 only, resume bitwise equal to the uninterrupted run. On 1 process it resumes, and says so."""
-    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
-    args = ("-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
-            "workers=0", "warmup_epochs=1", "close_mosaic=0", "val=False", f"project={tmp_path}")  # fmt: skip
-    full = torchrun(2, *args, "name=full", env=SERIAL)
-    assert full.returncode == 0, full.stderr[-3000:]
+    args, full = two_rank_run
+    args = (*args, f"project={tmp_path}")
     r = torchrun(2, *args, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8:1"})
     from yoloaccum import checkpoint
 
@@ -148,7 +157,7 @@ def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(tmp_pa
     shutil.copytree(tmp_path / "sig", tmp_path / "one")
     r = torchrun(2, "-m", "yoloaccum", "train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert relative_difference(final_weights(tmp_path / "sig"), final_weights(tmp_path / "full")) == 0.0  # bitwise
+    assert relative_difference(final_weights(tmp_path / "sig"), final_weights(full)) == 0.0  # bitwise
     r = run_cli("train", f"resume={tmp_path / 'one/weights/last.pt'}", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming 2 rank(s) on 1: the weights, optimizer, image order and schedule continue exactly" in r.stdout
@@ -260,17 +269,16 @@ def test_ddp_is_built_with_the_buffer_switch_this_torch_names():
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_a_rank_killed_under_max_restarts_is_restarted_and_the_job_ends_with_the_uninterrupted_weights(tmp_path):
+def test_a_rank_killed_under_max_restarts_is_restarted_and_the_job_ends_with_the_uninterrupted_weights(
+    two_rank_run, tmp_path
+):
     """torchrun --max-restarts=1: rank 1 is killed with SIGKILL in epoch 2 (a lost machine); torch's elastic agent
     restarts both ranks with the same command, they find their run by the job's id and resume from epoch 1's
     last.pt, and the job ends bitwise where a job that was never interrupted ends, in the same run folder."""
-    data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
-    args = ("-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
-            "workers=0", "warmup_epochs=1", "close_mosaic=0", "val=False", f"project={tmp_path}")  # fmt: skip
-    full = torchrun(2, *args, "name=full", env=SERIAL)
-    assert full.returncode == 0, full.stderr[-3000:]
+    args, full = two_rank_run
+    args = (*args, f"project={tmp_path}")
     r = torchrun(2, "--max-restarts=1", *args, "name=elastic", env={**SERIAL, "YOLOACCUM_FAULT": "kill@8:1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "torchrun restarted this job (restart 1): resuming from" in r.stdout
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("elastic")) == ["elastic"]
-    assert relative_difference(final_weights(tmp_path / "elastic"), final_weights(tmp_path / "full")) == 0.0
+    assert relative_difference(final_weights(tmp_path / "elastic"), final_weights(full)) == 0.0

@@ -15,8 +15,9 @@ MARK = "torchelastic_run_id"  # the file in the run folder that holds the job's 
 
 
 def mark(run: Path) -> None:
-    """Record, in a run folder just made under torchrun, the id of the job that made it."""
-    if run_id := os.environ.get("TORCHELASTIC_RUN_ID"):
+    """Record, in a run folder just made by a job torchrun may restart (--max-restarts above 0), the job's id."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         (run / MARK).write_text(run_id)
 
 
