@@ -8,9 +8,9 @@ on fails halfway, as on a full or failing disk: checkpoints, results.csv, schedu
 (torch.OutOfMemoryError, what CUDA raises when the device is full), once.
 
 Under torchrun --max-restarts a fault fires in the job's first attempt only, so the restarted job shows the
-recovery. The trainer calls install() once, as it builds the run. Without the variable it returns at once and nothing else
-looks for a fault: the engine and the checkpoint writer carry no test branches. With it, the one engine's
-`iteration` is wrapped, and a disk fault replaces checkpoint._write and checkpoint._open.
+recovery. The trainer calls install() once, as it builds the run. Without the variable it returns at once and
+nothing else looks for a fault: the engine and the checkpoint writer carry no test branches. With it, the one
+engine's `iteration` is wrapped, and a disk fault replaces checkpoint._write and checkpoint._open.
 """
 
 from __future__ import annotations
