@@ -606,6 +606,14 @@ else
   result amp_vs_fp32_training FAIL "rc amp=$rc_amp fp32=$rc_fp32: $(tail_of train_amp)"
 fi
 
+# ------------------------------------------------------------------------------------------------ 4-. no device given
+# As `yolo train`: without device= the run takes the first GPU, and its first line says so (issue 46).
+step device_default 60 "${YA[@]}" train data=$SHAPES model=yolo26n.yaml imgsz=160 batch=16 epochs=1 val=False \
+  plots=False precise_bn=0 exist_ok=True project=$RUNS name=devdefault; rc=$?
+if [ $rc -eq 0 ] && grep -q "on 1 × cuda:0" "$LOGS/device_default.log"; then
+  result device_default PASS "no device= given: $(grep -m1 -o 'on 1 × cuda:0[^:]*' "$LOGS/device_default.log")"
+else result device_default FAIL "rc=$rc: $(grep -m1 '^yoloaccum ' "$LOGS/device_default.log" || tail_of device_default)"; fi
+
 # ------------------------------------------------------------------------------------------------ 4a. AMP's start, bf16
 # fp16 with GradScaler: windows that overflowed while the scaler found its scale run again (schedule.csv's replays
 # column), none is skipped. bf16: no scaler, nothing to replay; trained beside fp32 as the AMP run was.
