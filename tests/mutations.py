@@ -329,8 +329,8 @@ MUTATIONS = [
     (
         "epoch_end.py: precise_bn recomputes the training model's statistics instead of the EMA's",
         "yoloaccum/epoch_end.py",
-        "precise_bn.recompute_images(t.ema.ema, self.images, t.ctx, self.batch)",
-        "precise_bn.recompute_images(t.raw_model, self.images, t.ctx, self.batch)",
+        "precise_bn.recompute_images(t.ema.ema, self.images, t.ctx, self.batch, t.frozen)",
+        "precise_bn.recompute_images(t.raw_model, self.images, t.ctx, self.batch, t.frozen)",
         "tests/test_precise_bn.py::test_training_is_the_same_with_and_without_precise_statistics",
     ),
     (
@@ -348,10 +348,10 @@ MUTATIONS = [
         "tests/test_precise_bn.py::test_out_of_memory_halves_the_micro_batch_and_the_statistics_stay_those_of_all_images",
     ),
     (
-        "state.py: a run stopped mid-epoch resumes that epoch from its first micro-batch",
-        "yoloaccum/state.py",
-        '    t.position = (state["position"]["epoch"], state["position"]["batch"])',
-        '    t.position = (state["position"]["epoch"], 0)',
+        "training_state.py: a run stopped mid-epoch resumes that epoch from its first micro-batch",
+        "yoloaccum/training_state.py",
+        '        self.position = (state["position"]["epoch"], state["position"]["batch"])',
+        '        self.position = (state["position"]["epoch"], 0)',
         "tests/test_resume.py::test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights",
     ),
     (

@@ -30,9 +30,10 @@ def test_rank_zero_runs_every_step_in_order_and_the_collectives_come_first(tmp_p
 
 def test_early_stopping_ends_the_run_only_before_its_final_epoch(tmp_path):
     t = _trainer(tmp_path, patience=1)
-    t.stopper(1, 0.5)  # epoch 1 was the best
+    t.state.fitness = 0.5
+    t.state.stop_early(1)  # epoch 1 was the best
     end = epoch_end.EpochEnd(epoch=2, final=False, images_per_second=1.0)
-    t.fitness = 0.1
+    t.state.fitness = 0.1
     epoch_end.early_stopping(t, end)
     assert end.stop == "patience"
     final = epoch_end.EpochEnd(epoch=2, final=True, images_per_second=1.0)
@@ -42,10 +43,10 @@ def test_early_stopping_ends_the_run_only_before_its_final_epoch(tmp_path):
 
 def test_validate_keeps_the_last_figures_when_no_validation_is_due(tmp_path):
     t = _trainer(tmp_path, val=False, patience=100)
-    t.fitness, t.best_fitness = 0.3, 0.4
+    t.state.fitness, t.state.best_fitness = 0.3, 0.4
     end = epoch_end.EpochEnd(epoch=0, final=False, images_per_second=1.0)
     epoch_end.validate(t, end)
-    assert not end.validated and not end.best and t.best_fitness == 0.4
+    assert not end.validated and not end.best and t.state.best_fitness == 0.4
 
 
 def test_results_and_save_write_the_row_last_pt_and_best_pt(tmp_path):

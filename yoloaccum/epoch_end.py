@@ -75,15 +75,11 @@ def gather_rank_states(t: Trainer, end: EpochEnd) -> None:
 def validate(t: Trainer, end: EpochEnd) -> None:
     """Validate the EMA with val=True, at the final epoch, and (as Ultralytics) whenever early stopping could trigger
     now, so that it sees a fresh figure; then note whether the fitness is the best so far."""
-    if t.cfg.val or end.final or t.stopper.possible_stop:
+    if t.cfg.val or end.final or t.state.possible_stop:
         t.follow_back_offs()
-        t.metrics = t.evaluator.evaluate(t.ema.ema, t.loss.criterion)
-        t.fitness = t.metrics.get("fitness", 0.0)
+        t.state.record_validation(t.evaluator.evaluate(t.ema.ema, t.loss.criterion))
         end.validated = True
-    fitness = t.fitness or 0.0
-    if t.best_fitness is None or fitness > t.best_fitness:
-        t.best_fitness = fitness
-    end.best = fitness == t.best_fitness
+    end.best = t.state.note_best()
 
 
 def results(t: Trainer, end: EpochEnd) -> None:
@@ -92,18 +88,18 @@ def results(t: Trainer, end: EpochEnd) -> None:
     s, row = t.schedule, end.row
     row.update({"epoch": end.epoch + 1, "time": round(time.perf_counter() - t.train_start, 3)})  # as Ultralytics
     row.update({f"train/{n}": v for n, v in zip(t.loss_names, t.train_losses)})
-    row.update(t.metrics)
+    row.update(t.state.metrics)
     row.pop("fitness", None)
     row.update({f"lr/pg{i}": g["lr"] for i, g in enumerate(t.engine.optimizer.param_groups)})
     extra = (t.engine.accumulate, s.effective_batch, s.weight_decay, end.images_per_second, t.engine.micro_batch)
     row.update(zip(EXTRA_COLUMNS, extra))
     t.run.results.append(row)
     if t.cfg.verbose and end.validated:
-        show_metrics(t.run.console, t.metrics, f"epoch {end.epoch + 1}/{s.epochs}")
+        show_metrics(t.run.console, t.state.metrics, f"epoch {end.epoch + 1}/{s.epochs}")
 
 
 def early_stopping(t: Trainer, end: EpochEnd) -> None:
-    if t.stopper(end.epoch + 1, t.fitness) and not end.final:
+    if t.state.stop_early(end.epoch + 1) and not end.final:
         end.stop = "patience"
 
 

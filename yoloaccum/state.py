@@ -41,15 +41,16 @@ def of(t: Trainer, position: tuple[int, int], finished: bool = False, interrupte
     from yoloaccum.ultra import VERSION, ultralytics_args
 
     t.ema.update_attr(t.raw_model, include=["yaml", "nc", "args", "names", "stride"])
+    training = {**t.state.state_dict(), "position": {"epoch": position[0], "batch": position[1]}}
     return {
         "epoch": position[0] - 1,  # Ultralytics: the last completed epoch
-        "best_fitness": t.best_fitness,
+        "best_fitness": training["best_fitness"],
         "model": None,
         "ema": checkpoint.ultralytics_model(t.ema.ema),
         "updates": t.ema.updates,
         "optimizer": None,  # kept in full precision under "yoloaccum" for an exact resume
         "train_args": vars(ultralytics_args(t.cfg)),
-        "train_metrics": dict(t.metrics),
+        "train_metrics": training["metrics"],
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "version": VERSION,
         "license": "AGPL-3.0",
@@ -57,14 +58,14 @@ def of(t: Trainer, position: tuple[int, int], finished: bool = False, interrupte
             "format": FORMAT,
             "config": dict(t.cfg),
             "schedule": dataclasses.asdict(t.schedule),  # as resolved (auto's choice): an extension keeps it
-            "position": {"epoch": position[0], "batch": position[1]},
+            "position": training["position"],
             "finished": finished,
             "interrupted": interrupted,
             "model": t.raw_model.state_dict(),
             "ema": t.ema.ema.state_dict(),
             "optimizer": t.engine.optimizer.state_dict(),
             "scaler": t.engine.scaler.state_dict(),
-            "stopper": {"best_fitness": t.stopper.best_fitness, "best_epoch": t.stopper.best_epoch},
+            "stopper": training["stopper"],
             "skipped_windows": list(t.engine.skipped),
             "ranks": [rank_state(t), *t.rank_states[1:]],  # rank 0's as of now, after validation
         },
@@ -123,18 +124,15 @@ def restore(t: Trainer, ckpt: dict[str, Any]) -> None:
     t.engine.optimizer.load_state_dict(state["optimizer"])
     if (note := load_scaler_state(t.engine.scaler, state["scaler"])) and t.run is not None:
         t.run.console.print(note)
-    t.stopper.best_fitness = state["stopper"]["best_fitness"]
-    t.stopper.best_epoch = state["stopper"]["best_epoch"]
-    t.best_fitness = ckpt["best_fitness"]
-    t.metrics.update(ckpt.get("train_metrics") or {})
+    t.state.load_state_dict({**state, "best_fitness": ckpt["best_fitness"], "metrics": ckpt.get("train_metrics")})
     t.engine.skipped = list(state["skipped_windows"])
-    t.position = (state["position"]["epoch"], state["position"]["batch"])
-    for _ in range(t.position[0]):  # E2ELoss decays its one-to-many gain once per finished epoch
+    epoch, batch = t.state.position
+    for _ in range(epoch):  # E2ELoss decays its one-to-many gain once per finished epoch
         t.loss.end_epoch()
     if t.run is not None:
-        t.run.results.truncate(t.position[0])
-        t.steps.truncate(t.position[0] * t.schedule.batches_per_epoch + t.position[1])
-        t.run.console.print(f"resuming {t.run.path} at epoch {t.position[0] + 1}, micro-batch {t.position[1]}")
+        t.run.results.truncate(epoch)
+        t.steps.truncate(epoch * t.schedule.batches_per_epoch + batch)
+        t.run.console.print(f"resuming {t.run.path} at epoch {epoch + 1}, micro-batch {batch}")
     _restore_rank(t, state["ranks"])
 
 

@@ -43,6 +43,7 @@ from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
 from yoloaccum.schedule import BN_AUTO_BELOW
 from yoloaccum.signals import GracefulStop, Interrupted
+from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
 from yoloaccum.window import EpochResult, StepRecord
 
@@ -56,15 +57,11 @@ class Trainer(Parts):
     """
 
     def __init__(self, parts: Parts, ckpt: dict[str, Any] | None = None):
-        from ultralytics.utils.torch_utils import EarlyStopping
-
         vars(self).update(vars(parts))  # the run's parts, as components.build made them
         faults.install(self.engine)  # YOLOACCUM_FAULT, if set: failures injected for failure tests
-        self.stopper = EarlyStopping(patience=self.cfg.patience)
         # Until the first validation, as Ultralytics: zeros, so that every row of results.csv has the same columns.
-        self.metrics = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
-        self.best_fitness, self.fitness, self.mosaic_closed = None, None, False  # fitness: of the last validation
-        self.position = (0, 0)  # (epoch, micro-batches of it done): where training continues
+        zeros = {**dict.fromkeys((*METRIC_KEYS, "fitness"), 0.0), **{f"val/{n}": 0.0 for n in self.loss_names}}
+        self.state = TrainingState(patience=self.cfg.patience, metrics=zeros)
         self.train_losses: list[float] = []  # the last epoch's means
         self.epoch_steps: list[StepRecord] = []  # the last epoch's optimizer steps, as the engine took them
         self.steps = StepLog(self.run.path) if self.run else None
@@ -97,13 +94,13 @@ class Trainer(Parts):
             def should_stop() -> bool:  # a signal, or time= spent
                 return stop_signal() or self.clock.over_time()
 
-            if self.run and cfg.plots and self.position == (0, 0):  # drawn while the first epoch trains
+            if self.run and cfg.plots and self.state.position == (0, 0):  # drawn while the first epoch trains
                 self.drawing = plots.Background(plots.labels, self.train_set, self.spec.names, self.run.path)
-            epoch, start = self.position
+            epoch, start = self.state.position
             first_epoch = epoch
             while True:
                 s = self.schedule  # time= re-estimates its epochs after each epoch
-                if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.mosaic_closed:
+                if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.state.mosaic_closed:
                     self._close_mosaic()
                 result, images_per_second = self.train_epoch(epoch, start, should_stop)
                 ended = None
@@ -279,7 +276,7 @@ class Trainer(Parts):
         """As Ultralytics: the final figures are best.pt's, validated on rank 0 after training; with plots=True this
         validation also draws its batches, confusion matrices and curves."""
         if self.run is None:
-            return self.metrics
+            return self.state.metrics
         best = self.run.weights / "best.pt"
         if self.cfg.save and best.exists():
             model, title = checkpoint.model_of(checkpoint.load(best)), f"final figures: {best} validated"
@@ -288,9 +285,9 @@ class Trainer(Parts):
         self.follow_back_offs()
         if self.drawing is not None:
             self.drawing.join()  # labels.jpg is done before the validation draws its curves
-        self.metrics = self.evaluator.evaluate(model.fuse(verbose=False).to(self.ctx.device), plots=self.cfg.plots)
-        show_metrics(self.run.console, self.metrics, title)
-        return self.metrics
+        metrics = self.evaluator.evaluate(model.fuse(verbose=False).to(self.ctx.device), plots=self.cfg.plots)
+        show_metrics(self.run.console, metrics, title)
+        return metrics
 
     @property
     def loss_names(self) -> tuple[str, ...]:
@@ -301,7 +298,7 @@ class Trainer(Parts):
 
         self.train_set.close_mosaic(hyp=ultralytics_args(self.cfg))  # sets mosaic, mixup, cutmix to 0
         self.loader = components.build_loader(self)  # workers hold a copy of the dataset: start them again
-        self.mosaic_closed = True
+        self.state.mosaic_closed = True
 
     def end_epoch(self, epoch: int, images_per_second: float) -> str | None:
         """The end-of-epoch steps (epoch_end.steps), then the one decision every rank takes together: "final" or
