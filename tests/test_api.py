@@ -82,3 +82,13 @@ def test_a_notebook_trains_shows_progress_and_survives_a_mistake(data, tmp_path)
     (error,) = [o for o in mistake.outputs if o.output_type == "error"]
     assert error.ename == "UserError" and "did you mean 'batch'" in error.evalue
     assert "alive 2" in text(after)  # the kernel is alive after the error
+
+
+def test_only_the_front_door_imports_the_trainer():
+    """The trainer sits under the API: no other module imports it, for typing or otherwise (issue 48)."""
+    import re
+
+    package = Path(yoloaccum.__file__).parent
+    pattern = re.compile(r"^\s*(from yoloaccum(\.trainer\b| import [^\n]*\btrainer\b)|import yoloaccum\.trainer)", re.M)
+    importers = sorted(p.name for p in package.glob("*.py") if pattern.search(p.read_text()))
+    assert importers == ["api.py"], importers

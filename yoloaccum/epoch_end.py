@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -20,7 +20,47 @@ from yoloaccum.progress import EXTRA_COLUMNS
 from yoloaccum.validate import show_metrics
 
 if TYPE_CHECKING:
-    from yoloaccum.trainer import Trainer
+    from yoloaccum.config import Config
+    from yoloaccum.distributed import Context
+    from yoloaccum.engine import Engine
+    from yoloaccum.progress import StepLog
+    from yoloaccum.runs import RunDir
+    from yoloaccum.schedule import Schedule
+    from yoloaccum.training_state import TrainingState
+
+
+class Run(Protocol):
+    """What the end-of-epoch steps (and state.py's checkpoint, and the TensorBoard log) read of a run in training:
+    its parts (components.Parts), its TrainingState, and what the epoch just trained left. The trainer is one; a
+    test may pass any object with these."""
+
+    cfg: Config
+    ctx: Context
+    spec: Any
+    train_set: Any
+    run: RunDir | None
+    raw_model: torch.nn.Module
+    ema: Any
+    loss: Any
+    schedule: Schedule
+    loader: torch.utils.data.DataLoader
+    engine: Engine
+    evaluator: Any
+    frozen: tuple[str, ...]
+    state: TrainingState
+    precise_bn: PreciseBN
+    train_start: float
+    train_losses: list[float]
+    epoch_steps: list
+    rank_states: list[dict] | None
+    steps: StepLog | None
+
+    @property
+    def loss_names(self) -> tuple[str, ...]: ...
+
+    def follow_back_offs(self) -> None: ...
+
+    def gather_rank_states(self) -> None: ...
 
 
 @dataclass
@@ -36,7 +76,7 @@ class EpochEnd:
     row: dict[str, float] = field(default_factory=dict)  # results.csv's row
 
 
-Step = Callable[["Trainer", EpochEnd], None]
+Step = Callable[[Run, EpochEnd], None]
 
 
 class PreciseBN:
@@ -51,28 +91,28 @@ class PreciseBN:
         self.images: torch.Tensor | None = None
         self.batch = precise_bn.BATCH  # its micro-batch, until one runs out of memory
 
-    def __call__(self, t: Trainer, end: EpochEnd) -> None:
+    def __call__(self, t: Run, end: EpochEnd) -> None:
         if t.cfg.precise_bn and (t.cfg.val or end.final):
             self.recompute(t)
 
-    def draw(self, t: Trainer) -> torch.Tensor:
+    def draw(self, t: Run) -> torch.Tensor:
         """This rank's images, drawn once."""
         if self.images is None:
             self.images = data.precise_bn_images(t.cfg, t.spec, t.ctx.rank, t.ctx.world_size)
         return self.images
 
-    def recompute(self, t: Trainer) -> None:
+    def recompute(self, t: Run) -> None:
         self.draw(t)
         self.batch = precise_bn.recompute_images(t.ema.ema, self.images, t.ctx, self.batch, t.frozen)
 
 
-def gather_rank_states(t: Trainer, end: EpochEnd) -> None:
+def gather_rank_states(t: Run, end: EpochEnd) -> None:
     """Every rank's own state to rank 0, for the checkpoint. A collective, taken where each rank's random states are
     those the next epoch starts from."""
     t.gather_rank_states()
 
 
-def validate(t: Trainer, end: EpochEnd) -> None:
+def validate(t: Run, end: EpochEnd) -> None:
     """Validate the EMA with val=True, at the final epoch, and (as Ultralytics) whenever early stopping could trigger
     now, so that it sees a fresh figure; then note whether the fitness is the best so far."""
     if t.cfg.val or end.final or t.state.possible_stop:
@@ -82,7 +122,7 @@ def validate(t: Trainer, end: EpochEnd) -> None:
     end.best = t.state.note_best()
 
 
-def results(t: Trainer, end: EpochEnd) -> None:
+def results(t: Run, end: EpochEnd) -> None:
     """results.csv's row: time, mean training losses, metrics, lr per group, and the accumulation's own columns as
     they were after any out-of-memory back-off; and the metrics table when verbose."""
     s, row = t.schedule, end.row
@@ -98,12 +138,12 @@ def results(t: Trainer, end: EpochEnd) -> None:
         show_metrics(t.run.console, t.state.metrics, f"epoch {end.epoch + 1}/{s.epochs}")
 
 
-def early_stopping(t: Trainer, end: EpochEnd) -> None:
+def early_stopping(t: Run, end: EpochEnd) -> None:
     if t.state.stop_early(end.epoch + 1) and not end.final:
         end.stop = "patience"
 
 
-def save(t: Trainer, end: EpochEnd) -> None:
+def save(t: Run, end: EpochEnd) -> None:
     """last.pt after every epoch, epochN.pt every save_period epochs, and best.pt when fitness improved."""
     if not t.cfg.save:
         return
@@ -117,7 +157,7 @@ def save(t: Trainer, end: EpochEnd) -> None:
         checkpoint.save_atomic(checkpoint.stripped(ckpt), w / "best.pt")
 
 
-def steps(t: Trainer) -> list[Step]:
+def steps(t: Run) -> list[Step]:
     """This rank's steps, in order: the collective ones on every rank, then rank 0's."""
     from yoloaccum.tensorboard import TensorBoard
 

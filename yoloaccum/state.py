@@ -30,12 +30,12 @@ from yoloaccum import checkpoint
 from yoloaccum.errors import UserError
 
 if TYPE_CHECKING:
-    from yoloaccum.trainer import Trainer
+    from yoloaccum.epoch_end import Run
 
 FORMAT = 3  # the training state's layout, written into every last.pt (the module docstring lists the formats)
 
 
-def of(t: Trainer, position: tuple[int, int], finished: bool = False, interrupted: bool = False) -> dict[str, Any]:
+def of(t: Run, position: tuple[int, int], finished: bool = False, interrupted: bool = False) -> dict[str, Any]:
     """The checkpoint of trainer `t` at `position` (epoch, micro-batches of it done): Ultralytics' entries for predict
     and export, and ours for an exact resume. `t.rank_states` holds every rank's own state, gathered to rank 0."""
     from yoloaccum.ultra import VERSION, ultralytics_args
@@ -72,7 +72,7 @@ def of(t: Trainer, position: tuple[int, int], finished: bool = False, interrupte
     }
 
 
-def rank_state(t: Trainer) -> dict[str, Any]:
+def rank_state(t: Run) -> dict[str, Any]:
     """What each rank holds apart from the others: random states, mosaic buffer, the engine's own (its part of an
     open window, and the iterations where it ran out of memory)."""
     return {
@@ -114,7 +114,7 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
     return {**state, "format": FORMAT}  # formats 1 and 2 have format 3's layout, with keys it no longer reads
 
 
-def restore(t: Trainer, ckpt: dict[str, Any]) -> None:
+def restore(t: Run, ckpt: dict[str, Any]) -> None:
     """Continue trainer `t` from a checkpoint written by of() and read by read(): weights, optimizer, EMA, scaler,
     early stopping, position, the logs cut back to it, and this rank's own state."""
     state = ckpt["yoloaccum"]
@@ -136,7 +136,7 @@ def restore(t: Trainer, ckpt: dict[str, Any]) -> None:
     _restore_rank(t, state["ranks"])
 
 
-def _restore_rank(t: Trainer, ranks: list[dict[str, Any]]) -> None:
+def _restore_rank(t: Run, ranks: list[dict[str, Any]]) -> None:
     """This rank's own state. On another number of ranks the weights, optimizer, image order and any open window
     continue exactly; the augmentation draws cannot, since each rank now sees other images."""
     rank, same = t.ctx.rank, len(ranks) == t.ctx.world_size

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from yoloaccum.epoch_end import EpochEnd
-    from yoloaccum.trainer import Trainer
+    from yoloaccum.epoch_end import EpochEnd, Run
 
 
 class TensorBoard:
@@ -27,7 +26,7 @@ class TensorBoard:
         self.writer = SummaryWriter(str(log_dir))
 
     @classmethod
-    def for_run(cls, t: Trainer) -> TensorBoard | None:
+    def for_run(cls, t: Run) -> TensorBoard | None:
         if importlib.util.find_spec("tensorboard") is None:
             t.run.console.print(
                 "[yellow]warning:[/] tensorboard=True, but the tensorboard package is not installed "
@@ -36,14 +35,14 @@ class TensorBoard:
             return None
         return cls(t.run.path)
 
-    def __call__(self, t: Trainer, end: EpochEnd) -> None:
+    def __call__(self, t: Run, end: EpochEnd) -> None:
         self.write_steps(t)
         for key, value in end.row.items():
             if key != "epoch":
                 self.writer.add_scalar(key, value, end.epoch + 1)
         self.writer.flush()
 
-    def write_steps(self, t: Trainer) -> None:
+    def write_steps(self, t: Run) -> None:
         """The optimizer steps of the epoch so far: at its end, or at a stop inside it (where last.pt is written, so
         that the resumed run logs on from there and no step is logged twice)."""
         w, skipped = self.writer, sorted(t.engine.skipped)  # every skipped window of the run, also before a resume
