@@ -9,7 +9,8 @@ sites stand in for COCO: real photographs, a different domain from the fine-tuni
 and enough images for BatchNorm's running statistics to settle. The checkpoint is best.pt of that run, Ultralytics'
 stripped half-precision layout, as a user's yolo26n.pt is. It lives outside git, in $YOLOACCUM_PRETRAINED or
 ~/.cache/yoloaccum/pretrained, beside a JSON record with its SHA-256, recipe and hardhat val mAP; the study checks
-the hash before every run, so it never fine-tunes from a file that changed underneath it.
+the hash before every run, so it never fine-tunes from a file that changed underneath it. A run stopped before its
+end (a session's time is up) resumes from its work folder there at the next `make pretrain`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,11 +78,21 @@ def ensure(force: bool = False) -> Path:
 
 
 def make() -> Path:
-    from common import absolute_yaml
+    """Train the checkpoint in a work folder beside it, resuming a run an earlier session left there (a session on
+    these machines ends after 3 hours, and the run takes about one), then keep best.pt and its record."""
+    import yaml
 
-    work = Path(tempfile.mkdtemp(prefix="pretrain-"))
-    args = {**RECIPE, "data": str(absolute_yaml(HARDHAT_YAML)), "project": str(work), "name": "run"}
-    command = [sys.executable, "-m", "yoloaccum", "train", *(f"{k}={v}" for k, v in args.items())]
+    work = home() / "work"
+    last = work / "run/weights/last.pt"
+    if last.exists():
+        command = [sys.executable, "-m", "yoloaccum", "train", f"resume={last}"]
+    else:
+        work.mkdir(parents=True, exist_ok=True)
+        data = yaml.safe_load(HARDHAT_YAML.read_text())  # its path made absolute: Ultralytics' own resolution differs
+        data["path"] = str((HARDHAT_YAML.parent / data.get("path", ".")).resolve())
+        (work / "hardhat.yaml").write_text(yaml.safe_dump(data))
+        args = {**RECIPE, "data": str(work / "hardhat.yaml"), "project": str(work), "name": "run", "exist_ok": True}
+        command = [sys.executable, "-m", "yoloaccum", "train", *(f"{k}={v}" for k, v in args.items())]
     print("pretrain:", " ".join(command[2:]), flush=True)
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=REPO)
@@ -90,7 +100,7 @@ def make() -> Path:
     run = work / "run"
     with open(run / "results.csv") as f:
         rows = [{k.strip(): v for k, v in row.items()} for row in csv.DictReader(f)]
-    best = max(rows, key=lambda r: float(r["fitness"]))
+    best = max(rows, key=lambda r: float(r["metrics/mAP50-95(B)"]))  # fitness, as Ultralytics 8.4 weighs it
     home().mkdir(parents=True, exist_ok=True)
     target = home() / f"{NAME}.pt"
     shutil.copyfile(run / "weights/best.pt", target)
@@ -103,13 +113,13 @@ def make() -> Path:
         "hardhat_val": {k: float(best[k]) for k in ("metrics/mAP50(B)", "metrics/mAP50-95(B)")},
         "last_epoch_val": {k: float(rows[-1][k]) for k in ("metrics/mAP50(B)", "metrics/mAP50-95(B)")},
         "curve_map50_95": [round(float(r["metrics/mAP50-95(B)"]), 4) for r in rows],
-        "minutes": round(minutes, 1),
+        "minutes_of_the_last_process": round(minutes, 1),
         "made": datetime.date.today().isoformat(),
         "commit": git_head(),
     }
     (home() / f"{NAME}.json").write_text(json.dumps(saved, indent=1) + "\n")
     shutil.copyfile(run / "results.csv", home() / f"{NAME}-results.csv")
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)  # done: the next make pretrain starts afresh only if this file goes
     print(f"pretrain: {target} ({minutes:.0f} min), hardhat val {saved['hardhat_val']}", flush=True)
     return target
 
