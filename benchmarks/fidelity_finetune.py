@@ -60,10 +60,13 @@ SMOKE = {"images": 16, "val_images": 8, "imgsz": 64, "epochs": 1}
 RECORDS = HERE / "records/finetune"
 
 
-def checkpoint_for(smoke: bool, work: Path) -> tuple[Path, str]:
-    """The checkpoint runs start from and its SHA-256: make pretrain's, or for the smoke a tiny model's weights."""
+def checkpoint_for(smoke: bool, work: Path, given: Path | None = None) -> tuple[Path, str]:
+    """The checkpoint runs start from and its SHA-256: make pretrain's (or one given, for a pilot), or for the smoke
+    a tiny model's weights."""
     import pretrain
 
+    if given is not None:
+        return given, pretrain.sha256(given)
     if not smoke:
         path = pretrain.ensure()
         return path, pretrain.sha256(path)
@@ -94,10 +97,10 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
         f"# Fine-tuning from {record['checkpoint']} on {size.get('dataset', 'shapes')} "
         f"(`python benchmarks/fidelity_finetune.py --data {size.get('dataset', 'shapes')}`)",
         "",
-        f"yolo26n pretrained on hardhat (make pretrain, SHA-256 {record['sha256'][:12]}), fine-tuned {size['epochs']} "
-        f"epochs at {size['imgsz']} px, nbs 64, warmup 1, close_mosaic 5. mAP50-95 of the final EMA with precise "
-        f"BatchNorm statistics over {size['precise_images']} training images (precise_bn=auto, the shipped default; "
-        "frozen layers keep theirs) and, in brackets, as trained. "
+        f"yolo26n pretrained on hardhat ({record['checkpoint']}, SHA-256 {record['sha256'][:12]}), fine-tuned "
+        f"{size['epochs']} epochs at {size['imgsz']} px, nbs 64, warmup 1, close_mosaic 5. mAP50-95 of the final EMA "
+        f"with precise BatchNorm statistics over {size['precise_images']} training images (precise_bn=auto, the "
+        "shipped default; frozen layers keep theirs) and, in brackets, as trained. "
         "Paired differences over the seeds both have, 95% t interval. Cost: seconds of training and validation per "
         "training image, one run at a time on the 2-core CPU machine.",
         "",
@@ -136,11 +139,12 @@ def main() -> None:
     p.add_argument("--report", action="store_true", help="only write the reports from the runs already kept")
     p.add_argument("--smoke", action="store_true", help="a tiny version that only checks the study runs")
     p.add_argument("--out", type=Path, help=f"folder for the records: {RECORDS.relative_to(HERE.parent)}/")
+    p.add_argument("--checkpoint", type=Path, help="start from this .pt instead of make pretrain's (a pilot)")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="finetune-"))
     out = a.out or (work if a.smoke else RECORDS)
     out.mkdir(parents=True, exist_ok=True)
-    weights, sha = (None, None) if a.report else checkpoint_for(a.smoke, work)
+    weights, sha = (None, None) if a.report else checkpoint_for(a.smoke, work, a.checkpoint)
     sizes = {"shapes": {**SMOKE, "seeds": [0]}} if a.smoke else {d: SIZES[d] for d in a.data}
     configs = ["b64", "b2", "ultralytics-b2"] if a.smoke else a.configs
     for name, size in sizes.items():
