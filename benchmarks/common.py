@@ -48,12 +48,12 @@ def shapes_data(folder: str | None, smoke: bool, counts: dict | None = None) -> 
     return path
 
 
-def absolute_yaml(data: Path) -> Path:
-    """A copy of a dataset YAML with its `path` made absolute: Ultralytics resolves a relative one against its own
-    datasets folder, yoloaccum against the YAML's."""
+def absolute_yaml(data: Path, folder: Path | None = None) -> Path:
+    """A copy of a dataset YAML with its `path` made absolute, in `folder` (a temporary one by default): Ultralytics
+    resolves a relative one against its own datasets folder, yoloaccum against the YAML's."""
     spec = yaml.safe_load(data.read_text())
     spec["path"] = str((data.parent / spec.get("path", ".")).resolve())
-    path = Path(tempfile.mkdtemp()) / data.name
+    path = Path(folder or tempfile.mkdtemp()) / data.name
     path.write_text(yaml.safe_dump(spec))
     return path
 

@@ -80,7 +80,7 @@ def ensure(force: bool = False) -> Path:
 def make() -> Path:
     """Train the checkpoint in a work folder beside it, resuming a run an earlier session left there (a session on
     these machines ends after 3 hours, and the run takes about one), then keep best.pt and its record."""
-    import yaml
+    from common import absolute_yaml
 
     work = home() / "work"
     last = work / "run/weights/last.pt"
@@ -88,10 +88,8 @@ def make() -> Path:
         command = [sys.executable, "-m", "yoloaccum", "train", f"resume={last}"]
     else:
         work.mkdir(parents=True, exist_ok=True)
-        data = yaml.safe_load(HARDHAT_YAML.read_text())  # its path made absolute: Ultralytics' own resolution differs
-        data["path"] = str((HARDHAT_YAML.parent / data.get("path", ".")).resolve())
-        (work / "hardhat.yaml").write_text(yaml.safe_dump(data))
-        args = {**RECIPE, "data": str(work / "hardhat.yaml"), "project": str(work), "name": "run", "exist_ok": True}
+        data = absolute_yaml(HARDHAT_YAML, work)  # beside the run: a resume finds it where the run began
+        args = {**RECIPE, "data": str(data), "project": str(work), "name": "run", "exist_ok": True}
         command = [sys.executable, "-m", "yoloaccum", "train", *(f"{k}={v}" for k, v in args.items())]
     print("pretrain:", " ".join(command[2:]), flush=True)
     start = time.perf_counter()

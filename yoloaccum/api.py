@@ -42,10 +42,10 @@ class TrainResult:
 def train(cfg: str | Path | None = None, **overrides: Any) -> TrainResult:
     """Train a detector with gradient accumulation, e.g. train(data="coco.yaml", batch=8, nbs=64)."""
     given = _given(cfg, overrides)
-    config.resolve(overrides=given)  # a mistake answers here, before torch and Ultralytics load
+    resolved = config.resolve(overrides=given)  # a mistake answers here, before torch and Ultralytics load
     from yoloaccum import trainer
 
-    return trainer.run(given)
+    return trainer.run(resolved, given)
 
 
 def val(cfg: str | Path | None = None, **overrides: Any) -> dict[str, float]:

@@ -168,31 +168,44 @@ class Engine:
                 raise
         # Outside the except block: its traceback, whose frames hold the failed step's tensors, is gone.
         backoff.check_can_back_off(self, ni, last_in_window)
-        failed, window = ni, self.window_batches
+        failed = ni
         while True:
             self._back_off(failed)
-            first, k = ni - len(window) + 1, 0
+            self.ni = ni - len(self.window_batches) + 1
             try:
                 if self.after_back_off is not None:  # compile=: the new micro-batch sizes, before they run
                     self.after_back_off()
-                if self.window_statistics is not None:  # put back with the buffers: the same images' again
-                    self.window_statistics(self.window_ahead)
-                for k, b in enumerate(window):
-                    items = self.iteration(first + k, b, last_in_window and k == len(window) - 1)
-                return items
+                return self._run_window_again(ni, last_in_window)
             except RuntimeError as e:
                 if not backoff.is_out_of_memory(e):
                     raise
-                failed = first + k
+                failed = self.ni
 
-    def _back_off(self, ni: int) -> None:
-        """Drop the window so far (its gradients, counts and BatchNorm statistics) and halve the micro-batch."""
-        backoff.check_room(self.micro_batch, ni)
+    def _drop_window(self) -> None:
+        """Drop what the open window has accumulated (gradients, counts, BatchNorm statistics), to run it again."""
         self.optimizer.zero_grad(set_to_none=True)
         self.window_counts.tensor.zero_()
         self.micro_batches_in_window = 0
         if self.window_buffers is not None:
             self.window_buffers.put_back()
+
+    def _run_window_again(self, ni: int, last_in_window: bool) -> torch.Tensor:
+        """Run the open window's loader batches again, its first to ni, after an out-of-memory back-off or an AMP
+        overflow: bn=window's statistics pass first (the buffers were put back: the same images' again), then each
+        micro-step. self.ni follows the batch in progress, so a failure names it. Returns batch ni's loss items."""
+        window = self.window_batches
+        first = ni - len(window) + 1
+        if self.window_statistics is not None:
+            self.window_statistics(self.window_ahead)
+        for k, batch in enumerate(window):
+            self.ni = first + k
+            items = self.iteration(self.ni, batch, last_in_window and k == len(window) - 1)
+        return items
+
+    def _back_off(self, ni: int) -> None:
+        """Drop the window so far (its gradients, counts and BatchNorm statistics) and halve the micro-batch."""
+        backoff.check_room(self.micro_batch, ni)
+        self._drop_window()
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()  # give the failed step's cached blocks back before the smaller micro-batches run
         before, self.split = self.micro_batch, self.split * 2
@@ -305,19 +318,11 @@ class Engine:
         counts and BatchNorm statistics dropped, the statistics pass and every micro-step run anew on the same
         images; then step() it. No image of the window is lost to the scaler's search."""
         self.scaler.update()  # unscale_ found the overflow: this halves the scale
-        self.optimizer.zero_grad(set_to_none=True)
-        self.window_counts.tensor.zero_()
-        self.micro_batches_in_window = 0
-        if self.window_buffers is not None:
-            self.window_buffers.put_back()
+        self._drop_window()
         self.replayed += 1
         self.replays.append(ni)
         self.log(f"iteration {ni}: AMP overflow, the window runs again at scale {self.scaler.get_scale():g}")
-        window, first = self.window_batches, ni - len(self.window_batches) + 1
-        if self.window_statistics is not None:
-            self.window_statistics(self.window_ahead)
-        for k, batch in enumerate(window):
-            self.iteration(first + k, batch, k == len(window) - 1)
+        self._run_window_again(ni, last_in_window=True)
         return self.step(ni, stop_requested, save_requested)
 
     def _skip(self, ni: int, what: str) -> None:

@@ -152,13 +152,15 @@ class StepLog:
 
     def __init__(self, save_dir: Path):
         self.file = save_dir / "schedule.csv"
+        self.replays_column: bool | None = None  # known at the first append
 
     def append(self, records: list, batches_per_epoch: int) -> None:
         if not records:
             return
         new = not self.file.exists()
-        # a run resumed from before the replays column keeps its file's columns
-        replays = new or "replays" in self.file.open().readline()
+        if self.replays_column is None:  # a run resumed from before the replays column keeps its file's columns
+            self.replays_column = new or "replays" in self.file.read_text().partition("\n")[0]
+        replays = self.replays_column
         with open_in_run(self.file, "a") as f:
             writer = csv.writer(f)
             if new:

@@ -342,10 +342,10 @@ class Trainer(Parts):
             plots.schedule(self.steps.file, self.run.path / "schedule.png")
 
 
-def run(given: dict[str, Any]) -> TrainResult:
-    """api.train's work: resolve the config of the keys `given` (or of the run they resume), train, and say where
-    the weights are. With several devices outside torchrun, torchrun runs the ranks and this process waits."""
-    cfg, ckpt, path = resolve(overrides=given), None, None
+def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
+    """api.train's work: train `cfg`, resolved from the keys `given` (or the run they resume), and say where the
+    weights are. With several devices outside torchrun, torchrun runs the ranks and this process waits."""
+    ckpt, path = None, None
     if not cfg.resume and (folder := elastic.restarted_run(cfg.project)) is not None:
         given = elastic_continuation(folder, given)
         cfg = resolve(overrides=given)
