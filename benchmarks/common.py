@@ -199,6 +199,16 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
             "workers": workers}  # fmt: skip
 
 
+def bare_limit(model: str, data: str, imgsz: int, micro: int, iterations: int) -> dict:
+    """The bare limit alone, in its own process: a fresh model's forward, loss and backward at micro-batch `micro`
+    on `iterations` real training batches held on the device (AMP on CUDA), as the trainer sets the model up. What
+    the GPU check sets beside the two trainers' images per second at the same micro-batch."""
+    engine = engine_for(model, imgsz, micro, 64, iterations)
+    batches = on_device(real_batches(data, imgsz, micro, iterations + 2))
+    bare_pass(engine.raw_model, engine.loss, batches[:4])  # kernels chosen and memory pooled before it counts
+    return {"micro_batch": micro, "imgsz": imgsz, "bare_limit_img_s": bare_pass(engine.raw_model, engine.loss, batches)}
+
+
 def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float,
                                   compile: bool = False) -> dict:  # fmt: skip
     """Ultralytics' own trainer (YOLO.train) on the same settings: images/s of its last epoch's batch loop, and of

@@ -214,7 +214,7 @@ def plan(logfile, rc, nbs):
     return status, f"micro-batch {mb}, accumulate {acc}, effective batch {eff}{note}; {s['batch_from_memory'][:240]}"
 
 
-def throughput(ya, ul, images, e0, e1):
+def throughput(ya, ul, images, e0, e1, bare_log=None):
     images, e0, e1 = int(images), int(e0), int(e1)
 
     def rate(run):
@@ -229,6 +229,11 @@ def throughput(ya, ul, images, e0, e1):
         out.append(f"yoloaccum {a:.0f} img/s (its own column: {', '.join(f'{x:.0f}' for x in own)})")
     except Exception as e:  # noqa: BLE001
         return "FAIL", f"yoloaccum run unreadable: {e}"
+    try:
+        bare = json.loads(log(bare_log).strip().splitlines()[-1])["bare_limit_img_s"]
+        out.append(f"bare forward+backward {bare:.0f} img/s, yoloaccum at {a / bare:.2f}x of it")
+    except Exception as e:  # noqa: BLE001
+        out.append(f"no bare limit ({type(e).__name__})")
     try:
         b = rate(ul)
         out.append(f"Ultralytics {b:.0f} img/s; ratio {a / b:.2f}x")
@@ -679,7 +684,11 @@ for B in 16 8; do
       close_mosaic=0 warmup_epochs=0 val=False plots=False seed=0 deterministic=True exist_ok=True project=$RUNS)
   step throughput_yoloaccum_b$B 100 "${YA[@]}" train "${TP[@]}" name=tp_ya_b$B; rc_a=$?
   step throughput_ultralytics_b$B 110 "$PY" "$W/ultra_train.py" train "${TP[@]}" name=tp_ul_b$B pretrained=False amp=True; rc_b=$?
-  if [ $rc_a -eq 0 ]; then report throughput_640px_b$B throughput "$RUNS/tp_ya_b$B" "$RUNS/tp_ul_b$B" 768 1 3
+  # the limit: a fresh model's forward, loss and backward alone on batches held on the GPU, at the same micro-batch
+  step bare_limit_b$B 60 "$PY" -c "import json, sys; sys.path.insert(0, 'benchmarks'); import common; \
+print(json.dumps(common.bare_limit('yolo26n.yaml', '$BIG', 640, $B, 30)))"
+  if [ $rc_a -eq 0 ]; then report throughput_640px_b$B throughput "$RUNS/tp_ya_b$B" "$RUNS/tp_ul_b$B" 768 1 3 \
+    "$LOGS/bare_limit_b$B.log"
   else result throughput_640px_b$B FAIL "yoloaccum rc=$rc_a: $(tail_of throughput_yoloaccum_b$B)"; fi
   [ $rc_b -ne 0 ] && result throughput_ultralytics_b$B WARN "rc=$rc_b: $(tail_of throughput_ultralytics_b$B)"
 done
