@@ -2,6 +2,7 @@
 freeze=, a time= budget, periodic saves for sessions killed without a signal, amp=bf16, classes= and multi_scale=."""
 
 import copy
+import json
 import signal
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from conftest import (
 )
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import checkpoint, clock, components, config, distributed, freeze, multiscale, norm, precise_bn
+from yoloaccum import checkpoint, clock, components, config, distributed, freeze, multiscale, norm, precise_bn, schedule
 
 pytestmark = pytest.mark.usefixtures("settings_kept")  # runs built in this process
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -82,6 +83,20 @@ def test_cfg_and_plan_list_what_the_recipe_dropped(cli_in_process):
     assert yaml.safe_load(cli_in_process("cfg", f"cfg={recipe}").stdout)["lr0"] == 0.01
 
 
+def test_plan_of_a_fine_tune_names_bn_autos_choice_and_does_not_warn(pretrained_pt, data, cli_in_process):
+    def summary(*args):
+        r = cli_in_process("plan", f"data={data}", "batch=2", "--json", *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])["summary"]
+
+    tuned = summary(f"model={pretrained_pt}")
+    assert (tuned["bn"], tuned["bn_reason"]) == ("batch", schedule.bn_auto_reason(2, from_weights=True))
+    assert "run from trained weights" in tuned["bn_reason"]
+    assert not any("with bn=batch" in w for w in tuned["warnings"])
+    scratch = summary()
+    assert (scratch["bn"], scratch["bn_reason"]) == ("window", "for 2 images per device")
+
+
 @pytest.mark.slow
 def test_fine_tune_frozen_stops_on_time_and_resumes_with_the_frozen_layers_bitwise(
     pretrained_pt, data, tmp_path, run_cli
@@ -94,6 +109,7 @@ def test_fine_tune_frozen_stops_on_time_and_resumes_with_the_frozen_layers_bitwi
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "(80 classes -> 4)" in r.stdout
     assert "freeze=10: layers 0-9 frozen" in r.stdout
+    assert "BatchNorm: bn=auto chose bn=batch for a run from trained weights" in " ".join(r.stdout.split())
     assert "time=1e-06 hours spent: stopped in epoch 1/2" in r.stdout, r.stdout[-2000:]
     last = tmp_path / "ft/weights/last.pt"
     state = checkpoint.load(last)["yoloaccum"]

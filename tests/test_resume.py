@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import PLUMBING, REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import checkpoint, config, faults, resume, state
+from yoloaccum import checkpoint, config, faults, resume, schedule, state
 from yoloaccum.errors import UserError
 
 RUN = (*PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1",
@@ -138,6 +138,19 @@ def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_o
     r = cli_in_process("train", f"resume={newer}", "epochs=6")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"holds a training state of format {state.FORMAT + 1}, newer than this yoloaccum reads" in r.stderr
+
+
+def test_bn_auto_of_a_run_saved_before_format_4_resumes_with_the_mode_it_chose(uninterrupted):
+    """Format 4 changed bn=auto's choice for runs from weights; an earlier last.pt resumes with the mode its bn=auto
+    took by micro-batch alone, even when it started from weights. Format 4's own bn=auto is read as it is."""
+    path = uninterrupted / "weights/last.pt"
+    ckpt = checkpoint.load(path)
+    saved = ckpt["yoloaccum"]
+    s = saved["schedule"]
+    assert saved["config"]["bn"] == "auto" and s["batch"] // s["world_size"] < schedule.BN_AUTO_BELOW
+    from_weights = {**saved, "format": 3, "config": {**saved["config"], "model": "weights.pt"}}
+    assert state.read({**ckpt, "yoloaccum": from_weights}, path)["config"]["bn"] == "window"
+    assert state.read(ckpt, path)["config"]["bn"] == "auto"
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_how_it_trained(uninterrupted, tmp_path):

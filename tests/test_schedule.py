@@ -184,3 +184,32 @@ def test_plotted_training_batches_are_ultralytics_iterations():
                                                   (2, 4, [0, 0, 1, 1, 2]), (0, 2, [0, 0, 0])])  # fmt: skip
 def test_even_cuts_differ_by_at_most_one_and_cover_every_item(n, parts, cuts):
     assert schedule.even_cuts(n, parts) == cuts
+
+
+@pytest.mark.parametrize(
+    ("overrides", "from_weights"),
+    [
+        ({"model": "yolo26n.yaml"}, False),
+        ({"model": "runs/x/weights/best.pt"}, True),
+        ({"model": "yolo26n.pt", "pretrained": False}, False),  # the .pt's architecture, trained from scratch
+        ({"model": "yolo26n.yaml", "pretrained": "w.pt"}, True),
+    ],
+)
+def test_a_run_starts_from_weights_with_a_pt_model_or_a_pretrained_path(overrides, from_weights):
+    assert config.resolve(overrides=overrides).from_weights is from_weights
+
+
+@pytest.mark.parametrize(
+    ("bn", "micro", "from_weights", "mode"),
+    [
+        ("auto", 2, False, "window"),
+        ("auto", 7, False, "window"),
+        ("auto", 8, False, "batch"),
+        ("auto", 2, True, schedule.BN_AUTO_FROM_WEIGHTS),
+        ("auto", 16, True, schedule.BN_AUTO_FROM_WEIGHTS),
+        ("window", 2, True, "window"),  # a mode given is the mode in force
+        ("frozen", 16, False, "frozen"),
+    ],
+)
+def test_bn_auto_chooses_by_micro_batch_from_scratch_and_one_mode_from_weights(bn, micro, from_weights, mode):
+    assert schedule.bn_mode(bn, micro, from_weights) == mode

@@ -34,7 +34,7 @@ class Parts:
     train_set: Any  # Ultralytics' YOLODataset
     run: RunDir | None
     raw_model: torch.nn.Module  # the parameters; engine.model is what runs forward (DDP's wrapper under torchrun)
-    bn: str  # the BatchNorm mode in force: cfg.bn, with auto resolved for the micro-batch (schedule.bn_mode)
+    bn: str  # the BatchNorm mode in force: cfg.bn, with auto resolved (schedule.bn_mode)
     frozen: tuple[str, ...]  # the module-name prefixes of the layers freeze= froze (freeze.py)
     ema: Any  # Ultralytics' ModelEMA
     loss: loss.WindowLoss
@@ -102,7 +102,7 @@ def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
     window = schedule.effective_batch // ctx.world_size if cfg.mosaic_buffer == "window" else batch
     data.set_batch(train_set, batch, window)
     loader = batches.build_loader(train_set, cfg, schedule.micro_batch, ctx.rank, ctx.world_size, ctx.device)
-    window_statistics, bn = None, schedule_.bn_mode(cfg.bn, schedule.micro_batch)
+    window_statistics, bn = None, schedule_.bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
     if bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
         norm.convert(raw_model, frozen)
         window_statistics = norm.WindowStatistics(

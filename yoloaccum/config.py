@@ -77,6 +77,12 @@ class Config(Mapping[str, Any], Keys):
     def __reduce__(self):
         return Config, (dict(self._values), self.ignored)
 
+    @property
+    def from_weights(self) -> bool:
+        """Whether the run starts from trained weights (fine-tunes): a .pt model, unless pretrained=False, or a
+        pretrained= path; a YAML model alone trains from scratch."""
+        return isinstance(self.pretrained, str) or (str(self.model).endswith(".pt") and self.pretrained is not False)
+
     def replace(self, **changes: Any) -> Config:
         """A validated copy with some keys changed."""
         return Config(_validate({**self._values, **_check_keys(changes, "argument")}), self.ignored)

@@ -13,7 +13,7 @@ from rich.table import Table
 from yoloaccum import config, devices, schedule
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
-from yoloaccum.schedule import ADAPTIVE, BN_AUTO_BELOW, Schedule, bn_mode
+from yoloaccum.schedule import ADAPTIVE, BN_AUTO_BELOW, Schedule, bn_auto_reason, bn_mode
 
 if TYPE_CHECKING:
     from yoloaccum import autobatch
@@ -75,8 +75,8 @@ def _data():
 def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     """Recipe choices that work but deserve a second look."""
     out = []
-    micro, bn = schedule.micro_batch, bn_mode(cfg.bn, schedule.micro_batch)
-    if bn == "batch" and micro < BN_AUTO_BELOW:
+    micro, bn = schedule.micro_batch, bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
+    if bn == "batch" and micro < BN_AUTO_BELOW and not cfg.from_weights:
         out.append(
             f"micro-batch {micro} per device with bn=batch: BatchNorm trains on the statistics of {micro} images, "
             f"which costs accuracy below {BN_AUTO_BELOW} (docs/accuracy.md); bn=window (what bn=auto, the default, "
@@ -168,7 +168,8 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
         "steps_per_epoch": [schedule.steps_per_epoch(e) for e in range(schedule.epochs)],
         "total_steps": schedule.total_steps,
         "norm": cfg.norm,
-        "bn": bn_mode(cfg.bn, schedule.micro_batch),  # the mode in force: auto resolved for the micro-batch
+        "bn": bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights),  # the mode in force: auto resolved
+        "bn_reason": bn_auto_reason(schedule.micro_batch, cfg.from_weights) if cfg.bn == "auto" else "as given",
         "remainder": cfg.remainder,
         "warnings": warnings(cfg, schedule),
     }
@@ -221,7 +222,8 @@ def render(cfg: Config, schedule: Schedule, console: Console, choice: autobatch.
         ("lr scaling", lr_scaling_line(s)),
         ("iterations per epoch", str(s["batches_per_epoch"])),
         ("optimizer steps", f"{per_epoch} per epoch, {s['total_steps']} in total"),
-        ("norm / bn / remainder", f"{s['norm']} / {s['bn']}{' (auto)' * (cfg.bn == 'auto')} / {s['remainder']}"),
+        ("norm / remainder", f"{s['norm']} / {s['remainder']}"),
+        ("BatchNorm", f"bn={s['bn']}" + (f": bn=auto's choice {s['bn_reason']}" if cfg.bn == "auto" else "")),
     ]
     if choice:
         rows.insert(2, ("micro-batch from memory", choice.reason))

@@ -27,9 +27,13 @@ ADAPTIVE = ADAM | {"RMSprop"}
 # lr_scale: how the update size should follow effective batch / nbs, as an exponent of that ratio
 LR_SCALE_EXPONENT = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
 HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralytics
-# bn=auto: each window's statistics (bn=window) below this many images per device, where a micro-batch's own cost
-# accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would (docs/batchnorm.md)
+# bn=auto from scratch: each window's statistics (bn=window) below this many images per device, where a micro-batch's
+# own cost accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would
+# (docs/batchnorm.md)
 BN_AUTO_BELOW = 8
+# bn=auto from trained weights (fine-tuning), at any micro-batch: each micro-batch's own statistics. The fine-tuning
+# study could not tell bn=window from it, and bn=window costs more time (docs/finetuning.md).
+BN_AUTO_FROM_WEIGHTS = "batch"
 
 
 @dataclass(frozen=True)
@@ -215,11 +219,21 @@ class Schedule:
         return [tuple(e) for e in ends]
 
 
-def bn_mode(bn: str, micro_batch: int) -> str:
-    """The BatchNorm mode a run trains with: `bn`, or for bn=auto the choice for `micro_batch` images per device."""
+def bn_mode(bn: str, micro_batch: int, from_weights: bool = False) -> str:
+    """The BatchNorm mode a run trains with: `bn`, or for bn=auto the choice for `micro_batch` images per device and
+    for a run that starts from trained weights or from scratch."""
     if bn != "auto":
         return bn
+    if from_weights:
+        return BN_AUTO_FROM_WEIGHTS
     return "window" if micro_batch < BN_AUTO_BELOW else "batch"
+
+
+def bn_auto_reason(micro_batch: int, from_weights: bool) -> str:
+    """Why bn=auto chose what it chose, for the run's first lines and `plan`."""
+    if from_weights:
+        return f"for a run from trained weights (fine-tuning; from scratch, bn=window below {BN_AUTO_BELOW})"
+    return f"for {micro_batch} images per device"
 
 
 def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Schedule:

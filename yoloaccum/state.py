@@ -10,6 +10,8 @@ The entry is versioned by its `format` (FORMAT):
 - format 2: adds `format` itself;
 - format 3: no rank holds bn=window's queues (bn=window now takes each window's statistics from its own images);
   a format-2 file of a bn=window run is refused, as it trained with the queues; any other converts unchanged;
+- format 4: bn=auto of a run from trained weights takes schedule.BN_AUTO_FROM_WEIGHTS; an earlier file's bn=auto
+  chose by micro-batch alone, so it is read as the mode it chose, and the run resumes with it;
 - before format 1, one set of random states for all ranks (no `ranks`): refused, as nothing can rebuild the others.
 """
 
@@ -28,11 +30,12 @@ import torch
 
 from yoloaccum import checkpoint
 from yoloaccum.errors import UserError
+from yoloaccum.schedule import bn_mode
 
 if TYPE_CHECKING:
     from yoloaccum.epoch_end import Run
 
-FORMAT = 3  # the training state's layout, written into every last.pt (the module docstring lists the formats)
+FORMAT = 4  # the training state's layout, written into every last.pt (the module docstring lists the formats)
 
 
 def of(t: Run, position: tuple[int, int], finished: bool = False, interrupted: bool = False) -> dict[str, Any]:
@@ -111,7 +114,18 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
             "yoloaccum replaced by each window's own statistics; finish it with the yoloaccum that wrote "
             f"it, or start a new run with pretrained={path}"
         )
-    return {**state, "format": FORMAT}  # formats 1 and 2 have format 3's layout, with keys it no longer reads
+    if version < 4 and state.get("config", {}).get("bn") == "auto":
+        state = {**state, "config": {**state["config"], "bn": _auto_before_format_4(state)}}
+    return {**state, "format": FORMAT}  # formats 1 to 3 have format 4's layout, with keys it no longer reads
+
+
+def _auto_before_format_4(state: dict[str, Any]) -> str:
+    """The mode bn=auto chose for a run saved before format 4: by its micro-batch per device alone."""
+    if saved := state.get("schedule"):
+        micro = saved["batch"] // saved["world_size"]
+    else:  # before schedules were saved: the batch given, over the ranks saved
+        micro = state["config"]["batch"] // len(state["ranks"])
+    return bn_mode("auto", micro)
 
 
 def restore(t: Run, ckpt: dict[str, Any]) -> None:

@@ -41,7 +41,7 @@ from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
-from yoloaccum.schedule import BN_AUTO_BELOW
+from yoloaccum.schedule import bn_auto_reason
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
@@ -184,7 +184,8 @@ class Trainer(Parts):
                 f"freeze={cfg.freeze}: layers {layers} frozen: no gradient, no update, and their BatchNorm statistics "
                 "kept as loaded" + (" (bn=window and precise_bn leave them alone)" if self.bn == "window" else "")
             )
-        chosen = f"bn=auto chose bn={self.bn} for {s.micro_batch} images per device" if cfg.bn == "auto" else ""
+        reason = bn_auto_reason(s.micro_batch, cfg.from_weights)
+        chosen = f"bn=auto chose bn={self.bn} {reason}" if cfg.bn == "auto" else ""
         if self.bn == "window":
             window = s.effective_batch // self.ctx.world_size
             images = f"first {min(cfg.bn_window, window)}" if cfg.bn_window else str(window)
@@ -195,8 +196,8 @@ class Trainer(Parts):
             )
         elif chosen:
             self.run.console.print(
-                f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as "
-                f"Ultralytics does (it takes bn=window below {BN_AUTO_BELOW})"
+                f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
+                + (" (docs/finetuning.md)" if cfg.from_weights else "")
             )
 
     def _compile(self) -> None:
