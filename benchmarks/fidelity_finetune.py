@@ -30,6 +30,7 @@ from common import TINY_MODEL  # noqa: E402
 from fidelity import METRICS, SHARED_SETS, paired  # noqa: E402
 
 from yoloaccum.precise_bn import sample_size  # noqa: E402
+from yoloaccum.schedule import bn_mode  # noqa: E402
 
 BACKBONE = 11  # yolo26's backbone is layers 0-10: freeze=11 trains the neck and head on its features
 # name: (trainer, settings beyond the recipe); the order is the order a seed's runs are made in, most telling first
@@ -79,6 +80,25 @@ def checkpoint_for(smoke: bool, work: Path, given: Path | None = None) -> tuple[
     return path, pretrain.sha256(path)
 
 
+def resolved(name: str) -> dict:
+    """A configuration's settings with bn=auto resolved as a run from weights resolves it today: two names that
+    resolve alike (b2, the shipped default, and whichever mode bn=auto takes) are one run, made once a seed, and a
+    kept run made under another default is made again."""
+    trainer, settings = CONFIGS[name]
+    if trainer != "yoloaccum":
+        return {"trainer": trainer, **settings}
+    return {"trainer": trainer, **settings, "bn": bn_mode(settings.get("bn", "auto"), settings["batch"], True)}
+
+
+def kept(runs: dict, name: str, seed: int) -> dict | None:
+    """This seed's run of configuration `name`, or of another that resolves alike, if one is kept."""
+    for other in [name, *runs]:
+        run = runs.get(other, {}).get(str(seed))
+        if other in CONFIGS and run is not None and run.get("resolved", resolved(other)) == resolved(name):
+            return run if other == name else {**run, "same_run_as": other}
+    return None
+
+
 def cost_per_image(run: dict, size: dict) -> float:
     return run["seconds"] / (size["images"] * size["epochs"])
 
@@ -124,8 +144,10 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
             cells.append(f"{ratio:.2f}, {f(d['mean'])} [{f(d['low'])}, {f(d['high'])}] ({len(both)})")
         ms = statistics.median(cost_per_image(runs[name][str(s)], size) for s in have) * 1000
+        twins = {runs[name][str(s)].get("same_run_as") for s in have} - {None}
+        label = f"{name} (the runs of {', '.join(sorted(twins))})" if twins else name
         lines.append(
-            f"| {name} | {','.join(map(str, have))} | {' '.join(f'{v:.3f}' for v in mine)} "
+            f"| {label} | {','.join(map(str, have))} | {' '.join(f'{v:.3f}' for v in mine)} "
             f"| {statistics.fmean(mine):.3f} ({statistics.fmean(raw):.3f}) | {cells[0]} | {cells[1]} | {ms:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -146,7 +168,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     weights, sha = (None, None) if a.report else checkpoint_for(a.smoke, work, a.checkpoint)
     sizes = {"shapes": {**SMOKE, "seeds": [0]}} if a.smoke else {d: SIZES[d] for d in a.data}
-    configs = ["b64", "b2", "ultralytics-b2"] if a.smoke else a.configs
+    configs = ["b64", "b2", "b2-batch", "ultralytics-b2"] if a.smoke else a.configs  # b2-batch: b2's runs
     for name, size in sizes.items():
         if not a.smoke and not SHARED_SETS[name].exists():
             print(f"fidelity_finetune: {SHARED_SETS[name]} is not here; {name} skipped", flush=True)
@@ -166,13 +188,14 @@ def main() -> None:
             run_size["model"] = str(weights)
         for seed in [] if a.report else seeds:
             for config in configs:
-                if str(seed) in runs.get(config, {}):
+                if (twin := kept(runs, config, seed)) is not None:
+                    runs.setdefault(config, {})[str(seed)] = twin
                     continue
                 trainer, settings = CONFIGS[config]
                 print(f"{name} {config} seed {seed} ...", flush=True)
                 result = fresh("train_and_evaluate", trainer, settings, run_size, seed, str(work / config),
                                module="fidelity")  # fmt: skip
-                runs.setdefault(config, {})[str(seed)] = result
+                runs.setdefault(config, {})[str(seed)] = {**result, "resolved": resolved(config)}
                 print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
                 store.write_text(json.dumps(saved, indent=1) + "\n")
         text = report(runs, run_size, configs, seeds, record)

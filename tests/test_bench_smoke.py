@@ -79,14 +79,18 @@ def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path
 
 
 def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(tmp_path):
-    """The fine-tuning study in small: a tiny checkpoint fine-tuned by both trainers, kept under its SHA-256."""
+    """The fine-tuning study in small: a tiny checkpoint fine-tuned by both trainers, kept under its SHA-256; a
+    configuration that resolves as another (b2-batch as the default b2 from weights) reuses its runs."""
     cmd = [sys.executable, "benchmarks/fidelity_finetune.py", "--smoke", "--out", str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, env=scratch_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ((sha, record),) = json.loads((tmp_path / "shapes.json").read_text()).items()
-    assert record["sha256"] == sha and sorted(record["runs"]) == ["b2", "b64", "ultralytics-b2"]
+    assert record["sha256"] == sha and sorted(record["runs"]) == ["b2", "b2-batch", "b64", "ultralytics-b2"]
+    assert r.stdout.count("shapes b2") == 1 and "shapes b2-batch" not in r.stdout  # one run for the two names
+    assert record["runs"]["b2-batch"]["0"]["same_run_as"] == "b2"
     table = (tmp_path / "shapes.md").read_text()
     assert "| b2 | 0 |" in table and "| ultralytics-b2 | 0 |" in table
+    assert "| b2-batch (the runs of b2) | 0 |" in table
 
 
 def test_pretrain_finds_its_checkpoint_by_its_hash_and_refuses_an_altered_one(tmp_path, monkeypatch):
