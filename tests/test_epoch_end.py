@@ -1,9 +1,11 @@
-"""The end-of-epoch steps (epoch_end.py), each run alone on a real trainer (tiny model and data, nothing trained
-unless the test says so), and the TensorBoard log read back from its event file."""
+"""The end-of-epoch steps (epoch_end.py), each run alone: the deciding ones (validate, early stopping) on small fakes
+of what they read, the ones that write the run's files on a real trainer (tiny model and data, nothing trained unless
+the test says so), and the TensorBoard log read back from its event file."""
 
 from __future__ import annotations
 
 import csv
+from types import SimpleNamespace
 
 import pytest
 from conftest import PLUMBING, shapes_yaml
@@ -11,6 +13,7 @@ from conftest import PLUMBING, shapes_yaml
 from yoloaccum import checkpoint, config, epoch_end
 from yoloaccum.tensorboard import TensorBoard
 from yoloaccum.trainer import Trainer
+from yoloaccum.training_state import TrainingState
 
 
 def _trainer(tmp_path, **changes) -> Trainer:
@@ -28,25 +31,73 @@ def test_rank_zero_runs_every_step_in_order_and_the_collectives_come_first(tmp_p
     assert epoch_end.steps(t) == [t.precise_bn, epoch_end.gather_rank_states]
 
 
-def test_early_stopping_ends_the_run_only_before_its_final_epoch(tmp_path):
-    t = _trainer(tmp_path, patience=1)
-    t.state.fitness = 0.5
-    t.state.stop_early(1)  # epoch 1 was the best
-    end = epoch_end.EpochEnd(epoch=2, final=False, images_per_second=1.0)
-    t.state.fitness = 0.1
-    epoch_end.early_stopping(t, end)
-    assert end.stop == "patience"
-    final = epoch_end.EpochEnd(epoch=2, final=True, images_per_second=1.0)
-    epoch_end.early_stopping(t, final)
-    assert final.stop is None  # the last epoch ends the run anyway, as "final"
+class FakeEvaluator:
+    """Validation's figures, one fitness per call, and how often it ran."""
+
+    def __init__(self, *fitness: float):
+        self.fitness, self.calls = list(fitness), 0
+
+    def evaluate(self, model, criterion=None) -> dict[str, float]:
+        self.calls += 1
+        return {"metrics/mAP50-95(B)": self.fitness[0], "fitness": self.fitness.pop(0)}
 
 
-def test_validate_keeps_the_last_figures_when_no_validation_is_due(tmp_path):
-    t = _trainer(tmp_path, val=False, patience=100)
+def _fake_run(val: bool = True, patience: int = 100, fitness: tuple[float, ...] = ()) -> SimpleNamespace:
+    """What validate and early_stopping read of a run (epoch_end.Run), and nothing else."""
+    return SimpleNamespace(
+        cfg=SimpleNamespace(val=val),
+        state=TrainingState(patience=patience),
+        evaluator=FakeEvaluator(*fitness),
+        ema=SimpleNamespace(ema=None),
+        loss=SimpleNamespace(criterion=None),
+        follow_back_offs=lambda: None,
+    )
+
+
+def _end(epoch: int, final: bool = False) -> epoch_end.EpochEnd:
+    return epoch_end.EpochEnd(epoch=epoch, final=final, images_per_second=1.0)
+
+
+def test_validate_records_the_figures_and_says_whether_they_are_the_best():
+    t = _fake_run(fitness=(0.3, 0.2, 0.4))
+    ends = [_end(e) for e in range(3)]
+    for end in ends:
+        epoch_end.validate(t, end)
+    assert [(e.validated, e.best) for e in ends] == [(True, True), (True, False), (True, True)]
+    assert t.state.best_fitness == 0.4 and t.state.metrics["metrics/mAP50-95(B)"] == 0.4
+
+
+def test_validate_with_val_false_runs_only_at_the_final_epoch_and_when_early_stopping_could_end_the_run():
+    t = _fake_run(val=False, patience=2, fitness=(0.5, 0.1))
+    not_due = _end(0)
+    epoch_end.validate(t, not_due)
+    assert t.evaluator.calls == 0 and not not_due.validated and not_due.best  # 0 before any: the best so far
+    t.state.possible_stop = True  # early stopping could end the run after this epoch: a fresh figure
+    epoch_end.validate(t, _end(1))
+    final = _end(2, final=True)
+    epoch_end.validate(t, final)
+    assert t.evaluator.calls == 2 and final.validated and not final.best and t.state.best_fitness == 0.5
+
+
+def test_validate_keeps_the_last_figures_when_no_validation_is_due():
+    t = _fake_run(val=False)
     t.state.fitness, t.state.best_fitness = 0.3, 0.4
-    end = epoch_end.EpochEnd(epoch=0, final=False, images_per_second=1.0)
+    end = _end(0)
     epoch_end.validate(t, end)
     assert not end.validated and not end.best and t.state.best_fitness == 0.4
+
+
+def test_early_stopping_ends_the_run_only_before_its_final_epoch():
+    t = _fake_run(patience=1)
+    t.state.fitness = 0.5
+    t.state.stop_early(1)  # epoch 1 was the best
+    t.state.fitness = 0.1
+    end = _end(2)
+    epoch_end.early_stopping(t, end)
+    assert end.stop == "patience"
+    final = _end(2, final=True)
+    epoch_end.early_stopping(t, final)
+    assert final.stop is None  # the last epoch ends the run anyway, as "final"
 
 
 def test_results_and_save_write_the_row_last_pt_and_best_pt(tmp_path):

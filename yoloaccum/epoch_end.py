@@ -1,6 +1,8 @@
 """What happens after an epoch's last window, as small steps run in order (detectron2's hooks): precise BatchNorm
 statistics, every rank's state gathered for the checkpoint, validation, the results row, TensorBoard, early stopping
-and saving. Each is a callable `step(trainer, end)`, testable alone on a real trainer.
+and saving. Each is a callable `step(run, end)` that reads what it needs of the run (the Run protocol below) and
+writes what it decides (validated, best, stop, the results row) into `end`, the epoch's record, on which the trainer
+acts; what the run has decided so far lives in its TrainingState. The deciding steps are tested on small fakes.
 
 The steps every rank takes (they hold collectives) come first; the others belong to rank 0, which owns the run
 folder. `steps()` builds each rank's list once, so no step asks which rank it runs on.
