@@ -14,7 +14,7 @@ Batch Renormalization's (Ioffe 2017): y = gamma * (xhat_B * r + d) + beta with r
 d = (mu_B - mu) / sigma taken as constants, so the forward is the window's normalisation and the backward goes
 through the micro-batch's own statistics; r and d are clipped (R_MAX, D_MAX). Measured inside a real batch of 64
 (benchmarks/bn_ghost.py) this recovers what per-micro-batch statistics lose, where the earlier bn=window, a queue
-of past micro-batches' statistics one optimizer step old, did not (docs/batchnorm.md).
+of past micro-batches' statistics one optimizer step old, did not (benchmarks/records/batchnorm-tried.md).
 
 The pass costs one forward pass (no backward) over the window's images, in chunks of up to `chunk` images (all of
 them by default), halved when the device runs out of memory; bn_window can cap the images it passes. It also
