@@ -201,8 +201,9 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
 
 def bare_limit(model: str, data: str, imgsz: int, micro: int, iterations: int) -> dict:
     """The bare limit alone, in its own process: a fresh model's forward, loss and backward at micro-batch `micro`
-    on `iterations` real training batches held on the device (AMP on CUDA), as the trainer sets the model up. What
-    the GPU check sets beside the two trainers' images per second at the same micro-batch."""
+    on `iterations` real training batches held on the device (AMP on CUDA, deterministic kernels), as the trainer
+    sets the model up. What the GPU check sets beside the two trainers' images per second at the same micro-batch."""
+    runs.seed_everything(0, deterministic=True)  # as the trainers it is set beside (deterministic=True)
     engine = engine_for(model, imgsz, micro, 64, iterations)
     batches = on_device(real_batches(data, imgsz, micro, iterations + 2))
     bare_pass(engine.raw_model, engine.loss, batches[:4])  # kernels chosen and memory pooled before it counts

@@ -80,22 +80,30 @@ def checkpoint_for(smoke: bool, work: Path, given: Path | None = None) -> tuple[
     return path, pretrain.sha256(path)
 
 
-def resolved(name: str) -> dict:
+def resolved(name: str, from_weights: bool = True) -> dict:
     """A configuration's settings with bn=auto resolved as a run from weights resolves it today: two names that
     resolve alike (b2, the shipped default, and whichever mode bn=auto takes) are one run, made once a seed, and a
-    kept run made under another default is made again."""
+    kept run made under another default is made again. from_weights=False: the rule before format 4 (by micro-batch
+    alone), which the runs kept without their resolved settings were made under."""
     trainer, settings = CONFIGS[name]
     if trainer != "yoloaccum":
         return {"trainer": trainer, **settings}
-    return {"trainer": trainer, **settings, "bn": bn_mode(settings.get("bn", "auto"), settings["batch"], True)}
+    return {"trainer": trainer, **settings, "bn": bn_mode(settings.get("bn", "auto"), settings["batch"], from_weights)}
 
 
-def kept(runs: dict, name: str, seed: int) -> dict | None:
-    """This seed's run of configuration `name`, or of another that resolves alike, if one is kept."""
-    for other in [name, *runs]:
-        run = runs.get(other, {}).get(str(seed))
-        if other in CONFIGS and run is not None and run.get("resolved", resolved(other)) == resolved(name):
-            return run if other == name else {**run, "same_run_as": other}
+def settings_of(name: str, run: dict) -> dict:
+    return run.get("resolved") or resolved(name, from_weights=False)
+
+
+def kept(record: dict, name: str, seed: int) -> dict | None:
+    """This seed's run of configuration `name`, or of another that resolves alike, if one is kept (among the runs
+    or those superseded by a change of default)."""
+    want = resolved(name)
+    for runs in (record["runs"], record.get("superseded", {})):
+        for other in [name, *runs]:
+            run = runs.get(other, {}).get(str(seed))
+            if other in CONFIGS and run is not None and settings_of(other, run) == want:
+                return run if (other == name and runs is record["runs"]) else {**run, "same_run_as": other}
     return None
 
 
@@ -188,9 +196,11 @@ def main() -> None:
             run_size["model"] = str(weights)
         for seed in [] if a.report else seeds:
             for config in configs:
-                if (twin := kept(runs, config, seed)) is not None:
+                if (twin := kept(record, config, seed)) is not None:
                     runs.setdefault(config, {})[str(seed)] = twin
                     continue
+                if (stale := runs.get(config, {}).pop(str(seed), None)) is not None:  # made under another default
+                    record.setdefault("superseded", {}).setdefault(config, {})[str(seed)] = stale
                 trainer, settings = CONFIGS[config]
                 print(f"{name} {config} seed {seed} ...", flush=True)
                 result = fresh("train_and_evaluate", trainer, settings, run_size, seed, str(work / config),

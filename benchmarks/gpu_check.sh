@@ -230,7 +230,8 @@ def throughput(ya, ul, images, e0, e1, bare_log=None):
     except Exception as e:  # noqa: BLE001
         return "FAIL", f"yoloaccum run unreadable: {e}"
     try:
-        bare = json.loads(log(bare_log).strip().splitlines()[-1])["bare_limit_img_s"]
+        line = next(l for l in reversed(log(bare_log).splitlines()) if l.startswith("{"))
+        bare = json.loads(line)["bare_limit_img_s"]
         out.append(f"bare forward+backward {bare:.0f} img/s, yoloaccum at {a / bare:.2f}x of it")
     except Exception as e:  # noqa: BLE001
         out.append(f"no bare limit ({type(e).__name__})")

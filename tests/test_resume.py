@@ -140,17 +140,19 @@ def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_o
     assert f"holds a training state of format {state.FORMAT + 1}, newer than this yoloaccum reads" in r.stderr
 
 
-def test_bn_auto_of_a_run_saved_before_format_4_resumes_with_the_mode_it_chose(uninterrupted):
-    """Format 4 changed bn=auto's choice for runs from weights; an earlier last.pt resumes with the mode its bn=auto
-    took by micro-batch alone, even when it started from weights. Format 4's own bn=auto is read as it is."""
+def test_a_run_resumes_with_the_batchnorm_mode_it_trained_with_also_from_a_file_before_format_4(uninterrupted):
+    """last.pt keeps the mode in force (bn=auto resolved), which the resumed run takes. Format 4 changed bn=auto's
+    choice for runs from weights: an earlier file's mode is the one its bn=auto took by micro-batch alone."""
     path = uninterrupted / "weights/last.pt"
     ckpt = checkpoint.load(path)
     saved = ckpt["yoloaccum"]
     s = saved["schedule"]
     assert saved["config"]["bn"] == "auto" and s["batch"] // s["world_size"] < schedule.BN_AUTO_BELOW
-    from_weights = {**saved, "format": 3, "config": {**saved["config"], "model": "weights.pt"}}
-    assert state.read({**ckpt, "yoloaccum": from_weights}, path)["config"]["bn"] == "window"
-    assert state.read(ckpt, path)["config"]["bn"] == "auto"
+    assert saved["bn"] == "window" and state.read(ckpt, path)["bn"] == "window"
+    before = {k: v for k, v in saved.items() if k != "bn"}
+    from_weights = {**before, "format": 3, "config": {**saved["config"], "model": "weights.pt"}}
+    assert config.Config(from_weights["config"]).from_weights  # today's bn=auto would take bn=batch
+    assert state.read({**ckpt, "yoloaccum": from_weights}, path)["bn"] == "window"
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_how_it_trained(uninterrupted, tmp_path):

@@ -102,7 +102,9 @@ def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
     window = schedule.effective_batch // ctx.world_size if cfg.mosaic_buffer == "window" else batch
     data.set_batch(train_set, batch, window)
     loader = batches.build_loader(train_set, cfg, schedule.micro_batch, ctx.rank, ctx.world_size, ctx.device)
-    window_statistics, bn = None, schedule_.bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
+    # the mode in force: bn=auto resolved, or on resume the mode the run trained with (last.pt keeps it)
+    bn = ckpt["yoloaccum"]["bn"] if ckpt else schedule_.bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
+    window_statistics = None
     if bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
         norm.convert(raw_model, frozen)
         window_statistics = norm.WindowStatistics(

@@ -49,6 +49,7 @@ class Run(Protocol):
     engine: Engine
     evaluator: Any
     frozen: tuple[str, ...]
+    bn: str
     state: TrainingState
     precise_bn: PreciseBN
     train_start: float

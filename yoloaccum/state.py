@@ -10,8 +10,9 @@ The entry is versioned by its `format` (FORMAT):
 - format 2: adds `format` itself;
 - format 3: no rank holds bn=window's queues (bn=window now takes each window's statistics from its own images);
   a format-2 file of a bn=window run is refused, as it trained with the queues; any other converts unchanged;
-- format 4: bn=auto of a run from trained weights takes schedule.BN_AUTO_FROM_WEIGHTS; an earlier file's bn=auto
-  chose by micro-batch alone, so it is read as the mode it chose, and the run resumes with it;
+- format 4: adds `bn`, the BatchNorm mode in force (bn=auto resolved), which a resumed run keeps whatever its devices
+  (bn=auto of a run from trained weights now takes schedule.BN_AUTO_FROM_WEIGHTS); an earlier file's is the mode its
+  bn=auto chose then, by micro-batch alone;
 - before format 1, one set of random states for all ranks (no `ranks`): refused, as nothing can rebuild the others.
 """
 
@@ -62,6 +63,7 @@ def of(t: Run, position: tuple[int, int], finished: bool = False, interrupted: b
             "config": dict(t.cfg),
             "schedule": dataclasses.asdict(t.schedule),  # as resolved (auto's choice): an extension keeps it
             "position": training["position"],
+            "bn": t.bn,
             "finished": finished,
             "interrupted": interrupted,
             "model": t.raw_model.state_dict(),
@@ -114,18 +116,18 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
             "yoloaccum replaced by each window's own statistics; finish it with the yoloaccum that wrote "
             f"it, or start a new run with pretrained={path}"
         )
-    if version < 4 and state.get("config", {}).get("bn") == "auto":
-        state = {**state, "config": {**state["config"], "bn": _auto_before_format_4(state)}}
-    return {**state, "format": FORMAT}  # formats 1 to 3 have format 4's layout, with keys it no longer reads
+    if version < 4:
+        state = {**state, "bn": _bn_before_format_4(state)}
+    return {**state, "format": FORMAT}  # formats 1 to 3 have format 4's layout, less `bn`
 
 
-def _auto_before_format_4(state: dict[str, Any]) -> str:
-    """The mode bn=auto chose for a run saved before format 4: by its micro-batch per device alone."""
+def _bn_before_format_4(state: dict[str, Any]) -> str:
+    """The BatchNorm mode a run saved before format 4 trained with: bn=auto chose by micro-batch per device alone."""
     if saved := state.get("schedule"):
         micro = saved["batch"] // saved["world_size"]
     else:  # before schedules were saved: the batch given, over the ranks saved
         micro = state["config"]["batch"] // len(state["ranks"])
-    return bn_mode("auto", micro)
+    return bn_mode(state["config"].get("bn", "auto"), micro)
 
 
 def restore(t: Run, ckpt: dict[str, Any]) -> None:
