@@ -31,8 +31,8 @@ HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralyti
 # own cost accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would
 # (docs/batchnorm.md)
 BN_AUTO_BELOW = 8
-# bn=auto from trained weights (fine-tuning), at any micro-batch: each micro-batch's own statistics. The fine-tuning
-# study could not tell bn=window from it, and bn=window costs more time (docs/finetuning.md).
+# bn=auto from trained weights (fine-tuning), at any micro-batch: each micro-batch's own statistics, the cheaper mode,
+# as the fine-tuning study has not found bn=window better there (docs/finetuning.md).
 BN_AUTO_FROM_WEIGHTS = "batch"
 
 
