@@ -32,8 +32,11 @@ HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralyti
 # (docs/batchnorm.md)
 BN_AUTO_BELOW = 8
 # bn=auto from trained weights (fine-tuning), at any micro-batch: each micro-batch's own statistics, the cheaper mode,
-# as the fine-tuning study has not found bn=window better there (docs/finetuning.md).
+# as the fine-tuning study has not found bn=window better there (docs/finetuning.md, its figures in the records).
 BN_AUTO_FROM_WEIGHTS = "batch"
+BN_AUTO_FROM_WEIGHTS_WHY = (
+    "; fine-tuning, bn=window has not done better and costs about 1.3x the time (docs/finetuning.md)"
+)
 
 
 @dataclass(frozen=True)

@@ -123,11 +123,14 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def _bn_before_format_4(state: dict[str, Any]) -> str:
     """The BatchNorm mode a run saved before format 4 trained with: bn=auto chose by micro-batch per device alone."""
+    bn = state.get("config", {}).get("bn", "auto")
+    if bn != "auto":
+        return bn
     if saved := state.get("schedule"):
         micro = saved["batch"] // saved["world_size"]
     else:  # before schedules were saved: the batch given, over the ranks saved
-        micro = state["config"]["batch"] // len(state["ranks"])
-    return bn_mode(state["config"].get("bn", "auto"), micro)
+        micro = state["config"]["batch"] // max(len(state["ranks"]), 1)
+    return bn_mode(bn, micro)
 
 
 def restore(t: Run, ckpt: dict[str, Any]) -> None:

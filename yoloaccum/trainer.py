@@ -41,7 +41,7 @@ from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
-from yoloaccum.schedule import bn_auto_reason
+from yoloaccum.schedule import BN_AUTO_FROM_WEIGHTS_WHY, bn_auto_reason
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
@@ -197,7 +197,7 @@ class Trainer(Parts):
         elif chosen:
             self.run.console.print(
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
-                + (" (docs/finetuning.md)" if cfg.from_weights else "")
+                + (BN_AUTO_FROM_WEIGHTS_WHY if cfg.from_weights else "")
             )
 
     def _compile(self) -> None:
