@@ -76,7 +76,8 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     """Recipe choices that work but deserve a second look."""
     out = []
     micro, bn = schedule.micro_batch, bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
-    if bn == "batch" and micro < BN_AUTO_BELOW and not cfg.from_weights:
+    # bn=batch where bn=auto would take bn=window: below 8 from scratch (from weights, auto takes bn=batch itself)
+    if bn == "batch" and bn_mode("auto", micro, cfg.from_weights) == "window":
         out.append(
             f"micro-batch {micro} per device with bn=batch: BatchNorm trains on the statistics of {micro} images, "
             f"which costs accuracy below {BN_AUTO_BELOW} (docs/accuracy.md); bn=window (what bn=auto, the default, "
