@@ -164,6 +164,29 @@ def scaler(run):
     return ("WARN" if halvings > marked + replays or marked else "PASS"), detail
 
 
+def amp_start(ya, ul):
+    """What AMP's start cost each trainer in the same runs: yoloaccum's replays and skips (schedule.csv), and the
+    optimizer steps Ultralytics skipped, one per halving of its GradScaler's scale from 2**16 (its last.pt; the scale
+    grows back only after 2000 steps without overflow, more than these runs take). Each skipped step drops the
+    images of all the micro-batches it accumulated."""
+    status, detail = scaler(ya)
+    out = [f"yoloaccum: {detail}"]
+    try:
+        import torch
+
+        import yoloaccum.ultra  # noqa: F401  (ultralytics loads offline and quiet, to unpickle its checkpoint)
+
+        state = torch.load(Path(ul) / "weights/last.pt", map_location="cpu", weights_only=False).get("scaler") or {}
+        if state:
+            halvings = max(round(math.log2(65536 / state["scale"])), 0)
+            out.append(f"Ultralytics: scale {state['scale']:g}, {halvings} optimizer steps skipped for overflow")
+        else:
+            out.append("Ultralytics: its last.pt holds no scaler state (AMP off)")
+    except Exception as e:  # noqa: BLE001
+        out.append(f"Ultralytics' last.pt unreadable: {type(e).__name__}: {e}")
+    return ("INFO" if status == "PASS" else status), "; ".join(out)
+
+
 def oom(run, logfile, rc, planned):
     text, rc, planned = log(logfile), int(rc), int(planned)
     offs = re.findall(r"out of memory at (\d+) images per device; the window runs again at (\d+) per device, "
@@ -692,6 +715,8 @@ print(json.dumps(common.bare_limit('yolo26n.yaml', '$BIG', 640, $B, 30)))"
     "$LOGS/bare_limit_b$B.log"
   else result throughput_640px_b$B FAIL "yoloaccum rc=$rc_a: $(tail_of throughput_yoloaccum_b$B)"; fi
   [ $rc_b -ne 0 ] && result throughput_ultralytics_b$B WARN "rc=$rc_b: $(tail_of throughput_ultralytics_b$B)"
+  # AMP's start in the same runs, from 2**16: yoloaccum's replayed windows against Ultralytics' skipped steps
+  [ $rc_a -eq 0 ] && report amp_start_640px_b$B amp_start "$RUNS/tp_ya_b$B" "$RUNS/tp_ul_b$B"
 done
 
 # ------------------------------------------------------------------------------------------------ 9. val on CUDA, and the suite's CUDA-dependent tests
