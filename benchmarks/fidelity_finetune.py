@@ -111,8 +111,14 @@ def cost_per_image(run: dict, size: dict) -> float:
     return run["seconds"] / (size["images"] * size["epochs"])
 
 
+def shipped(name: str) -> str:
+    """Which of a run's figures its trainer gives a user: yoloaccum's final EMA with precise statistics (precise_bn,
+    on by default), Ultralytics' as trained (it has no recompute)."""
+    return "raw" if CONFIGS[name][0] == "ultralytics" else "precise"
+
+
 def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record: dict) -> str:
-    """A row per configuration: final mAP50-95 (precise statistics) per seed, ratios and paired differences against
+    """A row per configuration: final mAP50-95 per seed as its trainer ships it, ratios and paired differences against
     the real batch of 64, against Ultralytics' trainer at the same micro-batch and against yoloaccum's defaults at
     the same micro-batch (the BatchNorm policy's question), and the cost per image with its ratio to the defaults'."""
 
@@ -128,8 +134,9 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
         "",
         f"yolo26n pretrained on hardhat ({record['checkpoint']}, SHA-256 {record['sha256'][:12]}), fine-tuned "
         f"{size['epochs']} epochs at {size['imgsz']} px, nbs 64, warmup 1, close_mosaic 5. mAP50-95 of the final EMA "
-        f"with precise BatchNorm statistics over {size['precise_images']} training images (precise_bn=auto, the "
-        "shipped default; frozen layers keep theirs) and, in brackets, as trained. "
+        "as each trainer ships it: yoloaccum's with precise BatchNorm statistics over "
+        f"{size['precise_images']} training images (precise_bn=auto, the default; frozen layers keep theirs), "
+        "Ultralytics' as trained (it has no such recompute); in brackets, every run's as trained. "
         "Paired differences over the seeds both have, 95% t interval. Cost: seconds of training and validation per "
         "training image, one run at a time on the 2-core CPU machine.",
         "",
@@ -142,7 +149,7 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
         have = [s for s in seeds if str(s) in runs.get(name, {})]
         if not have:
             continue
-        mine, raw = values(name, "precise", have), values(name, "raw", have)
+        mine, raw = values(name, shipped(name), have), values(name, "raw", have)
         cells = []
         batch = CONFIGS[name][1]["batch"]
         for other in (REFERENCE, f"ultralytics-b{batch}", f"b{batch}"):
@@ -150,7 +157,7 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             if name == other or not both or other not in CONFIGS:
                 cells.append("–")
                 continue
-            ours, theirs = values(name, "precise", both), values(other, "precise", both)
+            ours, theirs = values(name, shipped(name), both), values(other, shipped(other), both)
             d = paired(ours, theirs)
             ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
             cells.append(f"{ratio:.2f}, {f(d['mean'])} [{f(d['low'])}, {f(d['high'])}] ({len(both)})")
@@ -168,7 +175,39 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             f"| {statistics.fmean(mine):.3f} ({statistics.fmean(raw):.3f}) | {cells[0]} | {cells[1]} | {cells[2]} "
             f"| {ms_cell} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + precise_bn_effect(runs, configs, seeds)) + "\n"
+
+
+def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
+    """What precise_bn's recompute does to yoloaccum's fine-tuned runs: each run's final EMA with precise statistics
+    against the same weights as trained (what precise_bn=0 gives), per configuration and pooled over the distinct
+    runs below a micro-batch of 8 and at 8 and above; paired by construction."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    rows = []
+    for name in configs:
+        have = [runs[name][str(s)] for s in seeds if str(s) in runs.get(name, {})]
+        if CONFIGS[name][0] != "yoloaccum" or not have:
+            continue
+        pairs = [(r["precise"][METRICS[1]], r["raw"][METRICS[1]]) for r in have]
+        rows.append((name, pairs))
+        if not any(r.get("same_run_as") for r in have):
+            small = CONFIGS[name][1]["batch"] < 8
+            groups.setdefault("below 8, pooled" if small else "8 and above, pooled", []).extend(pairs)
+    out = [
+        "",
+        "## precise_bn's recompute on these runs",
+        "",
+        "The final EMA with precise statistics minus the same weights as trained (precise_bn=0's figure), 95% t "
+        "interval; pooled rows count each run once.",
+        "",
+        "| run | runs | precise − as trained [95%] |",
+        "| --- | --- | --- |",
+    ]
+    for name, pairs in [*rows, *groups.items()]:
+        d = paired([a for a, _ in pairs], [b for _, b in pairs])
+        interval = "" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
+        out.append(f"| {name} | {len(pairs)} | {d['mean']:+.3f}{interval} |")
+    return out
 
 
 def main() -> None:
