@@ -30,7 +30,7 @@ from common import TINY_MODEL  # noqa: E402
 from fidelity import METRICS, SHARED_SETS, paired  # noqa: E402
 
 from yoloaccum.precise_bn import sample_size  # noqa: E402
-from yoloaccum.schedule import bn_mode  # noqa: E402
+from yoloaccum.schedule import BN_AUTO_BELOW, bn_mode  # noqa: E402
 
 BACKBONE = 11  # yolo26's backbone is layers 0-10: freeze=11 trains the neck and head on its features
 # name: (trainer, settings beyond the recipe); the order is the order a seed's runs are made in, most telling first
@@ -181,18 +181,21 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
 def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
     """What precise_bn's recompute does to yoloaccum's fine-tuned runs: each run's final EMA with precise statistics
     against the same weights as trained (what precise_bn=0 gives), per configuration and pooled over the distinct
-    runs below a micro-batch of 8 and at 8 and above; paired by construction."""
-    groups: dict[str, list[tuple[float, float]]] = {}
-    rows = []
+    runs below BN_AUTO_BELOW images per micro-batch and at or above it; paired by construction."""
+    rows, groups, counted = [], {}, set()
     for name in configs:
-        have = [runs[name][str(s)] for s in seeds if str(s) in runs.get(name, {})]
+        have = {s: runs[name][str(s)] for s in seeds if str(s) in runs.get(name, {})}
         if CONFIGS[name][0] != "yoloaccum" or not have:
             continue
-        pairs = [(r["precise"][METRICS[1]], r["raw"][METRICS[1]]) for r in have]
-        rows.append((name, pairs))
-        if not any(r.get("same_run_as") for r in have):
-            small = CONFIGS[name][1]["batch"] < 8
-            groups.setdefault("below 8, pooled" if small else "8 and above, pooled", []).extend(pairs)
+        pairs = [(r["precise"][METRICS[1]], r["raw"][METRICS[1]]) for r in have.values()]
+        twins = {r.get("same_run_as") for r in have.values()} - {None}
+        rows.append((f"{name} (the runs of {', '.join(sorted(twins))})" if twins else name, pairs))
+        small = CONFIGS[name][1]["batch"] < BN_AUTO_BELOW
+        group = groups.setdefault(f"{'below' if small else 'at or above'} {BN_AUTO_BELOW}, pooled", [])
+        for seed, r in have.items():  # a run that two configurations share counts once
+            if (run := (r.get("same_run_as") or name, seed)) not in counted:
+                counted.add(run)
+                group.append((r["precise"][METRICS[1]], r["raw"][METRICS[1]]))
     out = [
         "",
         "## precise_bn's recompute on these runs",
@@ -203,7 +206,7 @@ def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[
         "| run | runs | precise − as trained [95%] |",
         "| --- | --- | --- |",
     ]
-    for name, pairs in [*rows, *groups.items()]:
+    for name, pairs in [*rows, *((n, p) for n, p in groups.items() if p)]:
         d = paired([a for a, _ in pairs], [b for _, b in pairs])
         interval = "" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
         out.append(f"| {name} | {len(pairs)} | {d['mean']:+.3f}{interval} |")

@@ -51,7 +51,8 @@ tail_of() { if [ -f "$LOGS/$1.log" ]; then tail -c 400 "$LOGS/$1.log" | tr '\n' 
 # ------------------------------------------------------------------------------------------------ helper files
 cat > "$W/ultra_train.py" <<'PY'
 """`yolo train ...` exactly as Ultralytics' CLI runs it, offline: its AMP self-check (which downloads yolo26n.pt and
-is not part of any epoch) answers True, so AMP stays on as asked, and fonts are found locally instead of fetched."""
+is not part of any epoch) answers True, so AMP stays on as asked, and fonts are found locally instead of fetched. The
+GradScaler's final state goes to the run folder's scaler.json, for counting the steps AMP's start skipped."""
 import ultralytics  # noqa: F401  first, as the `yolo` entry point imports it
 import ultralytics.data.utils as data_utils
 import ultralytics.engine.trainer as trainer
@@ -63,8 +64,17 @@ def local_font(font="Arial.ttf"):
     return font_manager.findfont("DejaVu Sans")
 
 
+def final_eval(self, _final_eval=trainer.BaseTrainer.final_eval):
+    """Keep the GradScaler's state in scaler.json first: the final evaluation strips it from last.pt."""
+    import json
+
+    (self.save_dir / "scaler.json").write_text(json.dumps(self.scaler.state_dict()))
+    return _final_eval(self)
+
+
 checks.check_font = data_utils.check_font = local_font
 trainer.check_amp = lambda model: True
+trainer.BaseTrainer.final_eval = final_eval
 from ultralytics.cfg import entrypoint  # noqa: E402
 
 entrypoint()
@@ -166,24 +176,21 @@ def scaler(run):
 
 def amp_start(ya, ul):
     """What AMP's start cost each trainer in the same runs: yoloaccum's replays and skips (schedule.csv), and the
-    optimizer steps Ultralytics skipped, one per halving of its GradScaler's scale from 2**16 (its last.pt; the scale
-    grows back only after 2000 steps without overflow, more than these runs take). Each skipped step drops the
-    images of all the micro-batches it accumulated."""
+    optimizer steps Ultralytics skipped, one per halving of its GradScaler's scale from 2**16 (scaler.json, which
+    ultra_train.py writes before Ultralytics strips last.pt; the scale grows back only after 2000 steps without
+    overflow, more than these runs take). Each skipped step drops the images of all the micro-batches it
+    accumulated."""
     status, detail = scaler(ya)
     out = [f"yoloaccum: {detail}"]
     try:
-        import torch
-
-        import yoloaccum.ultra  # noqa: F401  (ultralytics loads offline and quiet, to unpickle its checkpoint)
-
-        state = torch.load(Path(ul) / "weights/last.pt", map_location="cpu", weights_only=False).get("scaler") or {}
+        state = json.loads((Path(ul) / "scaler.json").read_text())
         if state:
             halvings = max(round(math.log2(65536 / state["scale"])), 0)
             out.append(f"Ultralytics: scale {state['scale']:g}, {halvings} optimizer steps skipped for overflow")
         else:
-            out.append("Ultralytics: its last.pt holds no scaler state (AMP off)")
+            out.append("Ultralytics: its GradScaler was off (no AMP)")
     except Exception as e:  # noqa: BLE001
-        out.append(f"Ultralytics' last.pt unreadable: {type(e).__name__}: {e}")
+        out.append(f"Ultralytics' scaler.json unreadable: {type(e).__name__}: {e}")
     return ("INFO" if status == "PASS" else status), "; ".join(out)
 
 

@@ -76,7 +76,7 @@ def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     """Recipe choices that work but deserve a second look."""
     out = []
     micro, bn = schedule.micro_batch, bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
-    # bn=batch where bn=auto would take bn=window: below 8 from scratch (from weights, auto takes bn=batch itself)
+    # only where bn=auto would have chosen otherwise: where the evidence has bn=window ahead
     if bn == "batch" and bn_mode("auto", micro, cfg.from_weights) == "window":
         out.append(
             f"micro-batch {micro} per device with bn=batch: BatchNorm trains on the statistics of {micro} images, "
