@@ -81,10 +81,12 @@ def test_every_layer_is_recomputed_and_modes_are_restored():
     assert all(torch.isfinite(v).all() for v in after)
 
 
-def test_auto_sizes_the_sample_to_the_training_set_and_a_count_is_taken_as_given():
+def test_auto_sizes_the_sample_to_the_training_set_from_scratch_is_off_from_weights_and_a_count_is_as_given():
     size = precise_bn.sample_size
     assert [size("auto", n) for n in (4, 40, 292, 400, 512, 1000, 118_287)] == [4, 40, 48, 50, 64, 125, 256]
     assert size(100, 40) == 40 and size(100, 512) == 100 and size(0, 512) == 0
+    # from trained weights auto recomputes nothing (the fine-tuning study); a count is still taken as given
+    assert size("auto", 292, from_weights=True) == 0 and size(48, 292, from_weights=True) == 48
 
 
 def test_precise_bn_is_auto_or_a_count_of_images():

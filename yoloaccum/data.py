@@ -239,7 +239,7 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
         random.seed(cfg.seed)  # Ultralytics' transforms draw from all three generators
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        count = precise_bn.sample_size(cfg.precise_bn, len(dataset))
+        count = precise_bn.sample_size(cfg.precise_bn, len(dataset), cfg.from_weights)
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[:count]
         images = [dataset[i]["img"] for i in order.tolist()]
     mine = images[rank::world]

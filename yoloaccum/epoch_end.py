@@ -95,7 +95,8 @@ class PreciseBN:
         self.batch = precise_bn.BATCH  # its micro-batch, until one runs out of memory
 
     def __call__(self, t: Run, end: EpochEnd) -> None:
-        if t.cfg.precise_bn and (t.cfg.val or end.final):
+        wanted = precise_bn.sample_size(t.cfg.precise_bn, len(t.train_set), t.cfg.from_weights)
+        if wanted and (t.cfg.val or end.final):
             self.recompute(t)
 
     def draw(self, t: Run) -> torch.Tensor:

@@ -168,7 +168,7 @@ class Trainer(Parts):
         s, cfg = self.schedule, self.cfg
         if self.run is None:
             return
-        precise = precise_bn.sample_size(cfg.precise_bn, len(self.train_set))
+        precise = precise_bn.sample_size(cfg.precise_bn, len(self.train_set), cfg.from_weights)
         self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers, precise, self.batch_choice)
         pool = self.train_set.max_buffer_length
         theirs = min(len(self.train_set), s.micro_batch * 8, 1000)  # Ultralytics' sizing, by the micro-batch
@@ -199,6 +199,8 @@ class Trainer(Parts):
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
                 + (BN_AUTO_FROM_WEIGHTS_WHY if cfg.from_weights else "")
             )
+        if cfg.precise_bn == "auto" and cfg.from_weights:
+            self.run.console.print(precise_bn.AUTO_FROM_WEIGHTS_WHY)
 
     def _compile(self) -> None:
         say = self.run.console.print if self.run else (lambda message: None)
