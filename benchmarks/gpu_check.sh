@@ -155,6 +155,12 @@ def compare(a, b, la, lb):
     return ("PASS" if ok else "WARN"), f"{la}/{lb} at epoch {ra['epoch']}: {text}; largest train-loss difference {rel:.1%}"
 
 
+def overflows(scale):
+    """How many times a GradScaler halved its scale to reach `scale`: it starts at 2**16 (and grows back only after
+    2000 steps without overflow, more than the check's runs take)."""
+    return max(round(math.log2(65536 / scale)), 0)
+
+
 def scaler(run):
     """The GradScaler state in last.pt, and how many steps it must have skipped against what schedule.csv says."""
     import yoloaccum.ultra  # noqa: F401
@@ -167,7 +173,7 @@ def scaler(run):
         steps = list(csv.DictReader(f))
     marked = sum(int(r["skipped"]) for r in steps)
     replays = sum(int(r.get("replays") or 0) for r in steps)  # windows run again at half the scale (issue 49)
-    halvings = max(round(math.log2(65536 / state["scale"])), 0)
+    halvings = overflows(state["scale"])
     detail = (f"last.pt scaler: scale {state['scale']:g}, growth tracker {state['_growth_tracker']}: at least "
               f"{halvings} overflows; schedule.csv marks {replays} window replays and {marked} of {len(steps)} "
               f"steps skipped (expect: replays and skips account for the halvings, 0 skipped)")
@@ -185,8 +191,8 @@ def amp_start(ya, ul):
     try:
         state = json.loads((Path(ul) / "scaler.json").read_text())
         if state:
-            halvings = max(round(math.log2(65536 / state["scale"])), 0)
-            out.append(f"Ultralytics: scale {state['scale']:g}, {halvings} optimizer steps skipped for overflow")
+            out.append(f"Ultralytics: scale {state['scale']:g}, {overflows(state['scale'])} optimizer steps skipped "
+                       "for overflow")
         else:
             out.append("Ultralytics: its GradScaler was off (no AMP)")
     except Exception as e:  # noqa: BLE001
