@@ -29,8 +29,7 @@ from bench import fresh  # noqa: E402
 from common import TINY_MODEL  # noqa: E402
 from fidelity import METRICS, SHARED_SETS, paired  # noqa: E402
 
-from yoloaccum.precise_bn import AUTO_FROM_WEIGHTS, sample_size  # noqa: E402
-from yoloaccum.schedule import BN_AUTO_BELOW, bn_mode  # noqa: E402
+from yoloaccum.schedule import BN_AUTO_BELOW, PRECISE_BN_FROM_WEIGHTS, bn_mode, precise_bn_count  # noqa: E402
 
 BACKBONE = 11  # yolo26's backbone is layers 0-10: freeze=11 trains the neck and head on its features
 # name: (trainer, settings beyond the recipe); the order is the order a seed's runs are made in, most telling first
@@ -113,10 +112,10 @@ def cost_per_image(run: dict, size: dict) -> float:
 
 def shipped(name: str) -> str:
     """Which of a run's figures its trainer gives a user at its defaults: the final EMA as trained, or with precise
-    statistics where precise_bn=auto recomputes them for a run from weights (precise_bn.AUTO_FROM_WEIGHTS; it does
+    statistics where precise_bn=auto recomputes them for a run from weights (schedule.PRECISE_BN_FROM_WEIGHTS; it does
     not today). The runs train with precise_bn=0 and are measured both ways, so either default reads the same runs;
     Ultralytics has no recompute."""
-    return "precise" if CONFIGS[name][0] == "yoloaccum" and AUTO_FROM_WEIGHTS else "raw"
+    return "precise" if CONFIGS[name][0] == "yoloaccum" and PRECISE_BN_FROM_WEIGHTS else "raw"
 
 
 def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record: dict) -> str:
@@ -139,7 +138,7 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
         "as each trainer ships it at its defaults ("
         + (
             "yoloaccum's with precise statistics, "
-            if AUTO_FROM_WEIGHTS
+            if PRECISE_BN_FROM_WEIGHTS
             else "as trained: precise_bn=auto recomputes nothing from weights; "
         )
         + "Ultralytics has no recompute) and, "
@@ -251,7 +250,7 @@ def main() -> None:
         runs = record["runs"]
         seeds = a.seeds or size["seeds"]
         run_size = {k: v for k, v in size.items() if k != "seeds"}
-        run_size["precise_images"] = sample_size("auto", run_size["images"])  # the shipped precise_bn
+        run_size["precise_images"] = precise_bn_count("auto", run_size["images"])  # the shipped precise_bn
         if weights is not None:
             run_size["model"] = str(weights)
         for seed in [] if a.report else seeds:

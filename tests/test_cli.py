@@ -179,6 +179,19 @@ def test_plan_json_summary(plan_json: dict) -> None:
     assert s["optimizer"] == "AdamW" and s["lr0"] > 0  # auto picks AdamW for a run this short
     assert len(s["steps_per_epoch"]) == 10 and sum(s["steps_per_epoch"]) == s["total_steps"]
     assert s["warnings"] == []
+    assert s["precise_bn_images"] == 512 // 8  # precise_bn=auto from scratch: an eighth of the training set
+
+
+def test_plan_says_what_a_run_from_trained_weights_takes_for_batchnorm(run_cli) -> None:
+    """From a .pt, bn=auto takes bn=batch at any micro-batch and precise_bn=auto recomputes nothing; plan says so
+    from the config alone, before any weights are read, and a precise_bn given is taken as given."""
+    s = _plan_json(run_cli, "model=runs/x/weights/best.pt", "batch=2", "nbs=64", "images=292")["summary"]
+    assert (s["bn"], s["precise_bn_images"]) == ("batch", 0)
+    assert "from trained weights" in s["bn_reason"]
+    given = _plan_json(run_cli, "model=runs/x/weights/best.pt", "batch=2", "images=292", "precise_bn=48")["summary"]
+    assert given["precise_bn_images"] == 48
+    printed = run_cli("plan", "model=runs/x/weights/best.pt", "batch=2", "images=292").stdout
+    assert "precise BatchNorm" in printed and "none recomputed" in printed
 
 
 def test_plan_json_iterations(plan_json: dict) -> None:

@@ -82,7 +82,8 @@ def test_every_layer_is_recomputed_and_modes_are_restored():
 
 
 def test_auto_sizes_the_sample_to_the_training_set_from_scratch_is_off_from_weights_and_a_count_is_as_given():
-    size = precise_bn.sample_size
+    from yoloaccum.schedule import precise_bn_count as size
+
     assert [size("auto", n) for n in (4, 40, 292, 400, 512, 1000, 118_287)] == [4, 40, 48, 50, 64, 125, 256]
     assert size(100, 40) == 40 and size(100, 512) == 100 and size(0, 512) == 0
     # from trained weights auto recomputes nothing (the fine-tuning study); a count is still taken as given

@@ -219,7 +219,7 @@ def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> st
 
 
 def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> torch.Tensor:
-    """This rank's share of the N training images (N = precise_bn.sample_size) that BatchNorm statistics are
+    """This rank's share of the N training images (N = schedule.precise_bn_count) that BatchNorm statistics are
     recomputed on, as one uint8 tensor (its share of N) x 3 x imgsz x imgsz: the first N of the seed's permutation
     of the training set.
 
@@ -231,7 +231,7 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
 
     import numpy as np
 
-    from yoloaccum import precise_bn
+    from yoloaccum.schedule import precise_bn_count
     from yoloaccum.state import rng_kept
 
     with rng_kept():
@@ -239,7 +239,7 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
         random.seed(cfg.seed)  # Ultralytics' transforms draw from all three generators
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        count = precise_bn.sample_size(cfg.precise_bn, len(dataset), cfg.from_weights)
+        count = precise_bn_count(cfg.precise_bn, len(dataset), cfg.from_weights)
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[:count]
         images = [dataset[i]["img"] for i in order.tolist()]
     mine = images[rank::world]

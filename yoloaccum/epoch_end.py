@@ -90,13 +90,13 @@ class PreciseBN:
     images at 160 px, 315 MB at 640); drawing them leaves training's random states as they were, so training is the
     same with and without precise_bn, and a resumed run draws the same images."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int) -> None:
+        self.count = count  # images the recompute passes (schedule.precise_bn_count): 0 recomputes nothing
         self.images: torch.Tensor | None = None
         self.batch = precise_bn.BATCH  # its micro-batch, until one runs out of memory
 
     def __call__(self, t: Run, end: EpochEnd) -> None:
-        wanted = precise_bn.sample_size(t.cfg.precise_bn, len(t.train_set), t.cfg.from_weights)
-        if wanted and (t.cfg.val or end.final):
+        if self.count and (t.cfg.val or end.final):
             self.recompute(t)
 
     def draw(self, t: Run) -> torch.Tensor:

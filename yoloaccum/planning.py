@@ -13,7 +13,7 @@ from rich.table import Table
 from yoloaccum import config, devices, schedule
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
-from yoloaccum.schedule import ADAPTIVE, BN_AUTO_BELOW, Schedule, bn_auto_reason, bn_mode
+from yoloaccum.schedule import ADAPTIVE, BN_AUTO_BELOW, Schedule, bn_auto_reason, bn_mode, precise_bn_count
 
 if TYPE_CHECKING:
     from yoloaccum import autobatch
@@ -171,9 +171,22 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
         "norm": cfg.norm,
         "bn": bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights),  # the mode in force: auto resolved
         "bn_reason": bn_auto_reason(schedule.micro_batch, cfg.from_weights) if cfg.bn == "auto" else "as given",
+        # images whose BatchNorm statistics are recomputed before each validation: precise_bn, with auto resolved
+        "precise_bn_images": precise_bn_count(cfg.precise_bn, schedule.num_images, cfg.from_weights),
         "remainder": cfg.remainder,
         "warnings": warnings(cfg, schedule),
     }
+
+
+def precise_line(cfg: Config, images: int) -> str:
+    """The plan's row for precise_bn: how many images the recompute passes before each validation, if any."""
+    if images:
+        return (
+            f"statistics recomputed over {images} training images before each validation (precise_bn={cfg.precise_bn})"
+        )
+    if cfg.precise_bn == "auto" and cfg.from_weights:
+        return "none recomputed: validation reads the running statistics (precise_bn=auto from trained weights)"
+    return "none recomputed: validation reads the running statistics"
 
 
 def iterations(schedule: Schedule) -> list[dict[str, Any]]:
@@ -225,6 +238,7 @@ def render(cfg: Config, schedule: Schedule, console: Console, choice: autobatch.
         ("optimizer steps", f"{per_epoch} per epoch, {s['total_steps']} in total"),
         ("norm / remainder", f"{s['norm']} / {s['remainder']}"),
         ("BatchNorm", f"bn={s['bn']}" + (f": bn=auto's choice {s['bn_reason']}" if cfg.bn == "auto" else "")),
+        ("precise BatchNorm", precise_line(cfg, s["precise_bn_images"])),
     ]
     if choice:
         rows.insert(2, ("micro-batch from memory", choice.reason))

@@ -14,7 +14,8 @@ statistics of all N images of its input, which are the ones the recompute gives 
 micro-batches add their own statistics' noise to every layer downstream: micro-batches of 16 left a run buried in
 false positives, and micro-batches of 64 rescued it, as far as one batch of all 256 images did (docs/accuracy.md).
 So the pass runs in micro-batches of BATCH images, halved while a device runs out of memory. Its cost is one forward
-pass over N images. Which images: data.precise_bn_images (by default as the recipe's augmentation draws them).
+pass over N images. Which images: data.precise_bn_images (by default as the recipe's augmentation draws them); how many:
+schedule.precise_bn_count.
 """
 
 from __future__ import annotations
@@ -31,28 +32,6 @@ from yoloaccum.distributed import Context
 
 _BN = nn.modules.batchnorm._BatchNorm
 BATCH = 64  # images per forward pass: as good as one pass of all 256 images on the runs measured (docs/accuracy.md)
-# precise_bn=auto: an eighth of the training set, within these bounds (benchmarks/precise_bn.md measured the choice).
-# The floor of 48 keeps the pass under 5% of an epoch on BCCD's 292 images (64 took 6% to 15%), for a measured
-# -0.002 mAP50-95 there against 64 over six runs; sets of 512 images and more are unaffected (docs/accuracy.md).
-AUTO_SHARE, AUTO_MIN, AUTO_MAX = 8, 48, 256
-# precise_bn=auto from trained weights (fine-tuning): no recompute. The checkpoint's running statistics, moved by every
-# micro-batch since, validated as well as the recompute's or better in the fine-tuning study, and the pass costs time
-# before every validation (docs/finetuning.md).
-AUTO_FROM_WEIGHTS = 0
-AUTO_FROM_WEIGHTS_WHY = (
-    "precise_bn=auto recomputes no BatchNorm statistics for a run from trained weights: validation reads the "
-    "running statistics, as Ultralytics'; fine-tuning, the recompute has not done better (docs/finetuning.md)"
-)
-
-
-def sample_size(precise_bn: int | str, num_train: int, from_weights: bool = False) -> int:
-    """How many training images the recompute passes: precise_bn of them (all, if fewer), or with `auto` an eighth
-    of the training set, at least AUTO_MIN and at most AUTO_MAX, from scratch; none for a run from trained weights.
-    On a small set the pass over all its images would be a large part of every epoch, and fewer give the same
-    statistics (benchmarks/precise_bn.md)."""
-    if precise_bn == "auto":
-        precise_bn = AUTO_FROM_WEIGHTS if from_weights else min(AUTO_MAX, max(AUTO_MIN, num_train // AUTO_SHARE))
-    return min(int(precise_bn), num_train)
 
 
 class _Moments:

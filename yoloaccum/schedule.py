@@ -35,7 +35,20 @@ BN_AUTO_BELOW = 8
 # as the fine-tuning study has not found bn=window better there (docs/finetuning.md, its figures in the records).
 BN_AUTO_FROM_WEIGHTS = "batch"
 BN_AUTO_FROM_WEIGHTS_WHY = (
-    "; fine-tuning, bn=window has not done better and costs about 1.3x the time (docs/finetuning.md)"
+    "fine-tuning, bn=window has not done better and costs about 1.3x the time (docs/finetuning.md)"
+)
+
+# precise_bn=auto: an eighth of the training set, within these bounds (benchmarks/precise_bn.md measured the choice).
+# The floor of 48 keeps the pass under 5% of an epoch on BCCD's 292 images (64 took 6% to 15%), for a measured
+# -0.002 mAP50-95 there against 64 over six runs; sets of 512 images and more are unaffected (docs/accuracy.md).
+PRECISE_BN_SHARE, PRECISE_BN_MIN, PRECISE_BN_MAX = 8, 48, 256
+# precise_bn=auto from trained weights (fine-tuning): no recompute. The checkpoint's running statistics, moved by every
+# micro-batch since, validated as well as the recompute's or better in the fine-tuning study, and the pass costs time
+# before every validation (docs/finetuning.md).
+PRECISE_BN_FROM_WEIGHTS = 0
+PRECISE_BN_FROM_WEIGHTS_WHY = (
+    "precise_bn=auto recomputes no BatchNorm statistics for a run from trained weights: validation reads the "
+    "running statistics, as Ultralytics'; fine-tuning, the recompute has not done better (docs/finetuning.md)"
 )
 
 
@@ -237,6 +250,18 @@ def bn_auto_reason(micro_batch: int, from_weights: bool) -> str:
     if from_weights:
         return f"for a run from trained weights (fine-tuning; from scratch, bn=window below {BN_AUTO_BELOW})"
     return f"for {micro_batch} images per device"
+
+
+def precise_bn_count(precise_bn: int | str, num_train: int, from_weights: bool = False) -> int:
+    """How many training images precise_bn's recompute passes: precise_bn of them (all, if fewer), or with `auto`
+    an eighth of the training set within PRECISE_BN_MIN and PRECISE_BN_MAX from scratch, and none for a run from
+    trained weights. On a small set the pass over all its images would be a large part of every epoch, and fewer
+    give the same statistics (benchmarks/precise_bn.md)."""
+    if precise_bn != "auto":
+        return min(int(precise_bn), num_train)
+    if from_weights:
+        return PRECISE_BN_FROM_WEIGHTS
+    return min(PRECISE_BN_MAX, max(PRECISE_BN_MIN, num_train // PRECISE_BN_SHARE), num_train)
 
 
 def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Schedule:

@@ -28,7 +28,6 @@ from yoloaccum import (
     faults,
     multiscale,
     plots,
-    precise_bn,
     resume,
     state,
 )
@@ -41,7 +40,7 @@ from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
-from yoloaccum.schedule import BN_AUTO_FROM_WEIGHTS_WHY, bn_auto_reason
+from yoloaccum.schedule import BN_AUTO_FROM_WEIGHTS_WHY, PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
@@ -70,7 +69,9 @@ class Trainer(Parts):
         self.rank_states: list[dict] | None = None  # on rank 0, every rank's, gathered before each save
         self.compiled: compiler.Compiled | None = None  # compile=: compiled at the start of train()
         self.drawing: plots.Background | None = None  # labels.jpg, drawn in the background
-        self.precise_bn = epoch_end.PreciseBN()
+        self.precise_bn = epoch_end.PreciseBN(
+            precise_bn_count(self.cfg.precise_bn, len(self.train_set), self.cfg.from_weights)
+        )
         self.clock = RunClock(None, 0)  # time= and save_minutes=: started with train()
         self.epoch_end = epoch_end.steps(self)
         if ckpt is not None:
@@ -168,8 +169,9 @@ class Trainer(Parts):
         s, cfg = self.schedule, self.cfg
         if self.run is None:
             return
-        precise = precise_bn.sample_size(cfg.precise_bn, len(self.train_set), cfg.from_weights)
-        self.run.announce(s, len(self.train_set), self.ctx, self.loader.num_workers, precise, self.batch_choice)
+        self.run.announce(
+            s, len(self.train_set), self.ctx, self.loader.num_workers, self.precise_bn.count, self.batch_choice
+        )
         pool = self.train_set.max_buffer_length
         theirs = min(len(self.train_set), s.micro_batch * 8, 1000)  # Ultralytics' sizing, by the micro-batch
         if cfg.mosaic and cfg.mosaic_buffer == "window" and pool > theirs:
@@ -197,10 +199,10 @@ class Trainer(Parts):
         elif chosen:
             self.run.console.print(
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
-                + (BN_AUTO_FROM_WEIGHTS_WHY if cfg.from_weights else "")
+                + (f"; {BN_AUTO_FROM_WEIGHTS_WHY}" if cfg.from_weights else "")
             )
         if cfg.precise_bn == "auto" and cfg.from_weights:
-            self.run.console.print(precise_bn.AUTO_FROM_WEIGHTS_WHY)
+            self.run.console.print(PRECISE_BN_FROM_WEIGHTS_WHY)
 
     def _compile(self) -> None:
         say = self.run.console.print if self.run else (lambda message: None)
