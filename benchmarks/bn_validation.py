@@ -67,17 +67,19 @@ def validate_variants(weights: Path, data: Path, variants=VARIANTS) -> dict:
     from yoloaccum.validate import Evaluator
 
     imgsz = FULL["imgsz"]
-    cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "precise_bn": FULL["images"], "workers": 0})
+    cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "workers": 0})
     spec, cpu = data_.load_spec(cfg.data), torch.device("cpu")
     ctx = distributed.Context(0, 0, 1, cpu)
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
-    images = data_.precise_bn_images(cfg.replace(precise_bn_aug=False), spec, 0, 1)
+    images = data_.precise_bn_images(cfg.replace(precise_bn_aug=False), spec, FULL["images"], 0, 1)
     augmented = {"aug-64": cfg.replace(mosaic=0.0), "mosaic-64": cfg}  # mosaic=0: as close_mosaic leaves training
     out = {}
     for variant in variants:
         model = checkpoint.model_of(checkpoint.load(weights, trust=True))
         if variant in augmented:
-            precise_bn.recompute_images(model, data_.precise_bn_images(augmented[variant], spec, 0, 1), ctx, 64)
+            precise_bn.recompute_images(
+                model, data_.precise_bn_images(augmented[variant], spec, FULL["images"], 0, 1), ctx, 64
+            )
         elif variant.startswith("precise"):
             batch = len(images) if variant == "precise-all" else int(variant.removeprefix("precise-"))
             precise_bn.recompute_images(model, images, ctx, batch)

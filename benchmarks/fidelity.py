@@ -135,13 +135,13 @@ def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int, fr
     from yoloaccum import freeze as freeze_
     from yoloaccum.validate import Evaluator
 
-    cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "precise_bn": precise_images, "workers": 0})
+    cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "workers": 0})
     spec = data_.load_spec(cfg.data)
     cpu = torch.device("cpu")
     model = checkpoint.model_of(checkpoint.load(weights, trust=True))
     evaluator = Evaluator(cfg, spec, weights.parent, 16, cpu)
     out = {"raw": _pick(evaluator.evaluate(model))}
-    images = data_.precise_bn_images(cfg, spec, 0, 1)
+    images = data_.precise_bn_images(cfg, spec, precise_images, 0, 1)
     frozen = freeze_.prefixes(freeze)
     precise_bn.recompute_images(model, images, distributed.Context(0, 0, 1, cpu), frozen=frozen)  # as the trainer
     out["precise"] = _pick(evaluator.evaluate(model))

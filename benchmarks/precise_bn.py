@@ -137,11 +137,12 @@ def size(run: Path, sizes=SIZES) -> dict:
     from yoloaccum.validate import Evaluator
 
     saved = yaml_args(run)
-    cfg = config.resolve(overrides={"data": saved["data"], "imgsz": saved["imgsz"], "seed": saved["seed"],
-                                    "workers": 0, "precise_bn": max(sizes)})  # fmt: skip
+    cfg = config.resolve(
+        overrides={"data": saved["data"], "imgsz": saved["imgsz"], "seed": saved["seed"], "workers": 0}
+    )
     spec, cpu = data_.load_spec(cfg.data), torch.device("cpu")
     evaluator = Evaluator(cfg, spec, Path(tempfile.mkdtemp()), 16, cpu)
-    drawn = data_.precise_bn_images(cfg, spec, 0, 1)  # the first N of these are the trainer's draw for N
+    drawn = data_.precise_bn_images(cfg, spec, max(sizes), 0, 1)  # the first N of these are the trainer's draw for N
     out = {}
     for weights in sorted(run.glob("weights/epoch*.pt"), key=lambda p: int(p.stem.removeprefix("epoch"))):
         out[weights.stem] = {}

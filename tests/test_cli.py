@@ -188,8 +188,9 @@ def test_plan_says_what_a_run_from_trained_weights_takes_for_batchnorm(run_cli) 
     s = _plan_json(run_cli, "model=runs/x/weights/best.pt", "batch=2", "nbs=64", "images=292")["summary"]
     assert (s["bn"], s["precise_bn_images"]) == ("batch", 0)
     assert "from trained weights" in s["bn_reason"]
-    given = _plan_json(run_cli, "model=runs/x/weights/best.pt", "batch=2", "images=292", "precise_bn=48")["summary"]
-    assert given["precise_bn_images"] == 48
+    for given, count in (("100", 100), ("500", 292)):  # as given, at most the training set
+        args = ("model=runs/x/weights/best.pt", "batch=2", "images=292", f"precise_bn={given}")
+        assert _plan_json(run_cli, *args)["summary"]["precise_bn_images"] == count
     printed = run_cli("plan", "model=runs/x/weights/best.pt", "batch=2", "images=292").stdout
     assert "precise BatchNorm" in printed and "none recomputed" in printed
 

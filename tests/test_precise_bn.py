@@ -81,15 +81,6 @@ def test_every_layer_is_recomputed_and_modes_are_restored():
     assert all(torch.isfinite(v).all() for v in after)
 
 
-def test_auto_sizes_the_sample_to_the_training_set_from_scratch_is_off_from_weights_and_a_count_is_as_given():
-    from yoloaccum.schedule import precise_bn_count as size
-
-    assert [size("auto", n) for n in (4, 40, 292, 400, 512, 1000, 118_287)] == [4, 40, 48, 50, 64, 125, 256]
-    assert size(100, 40) == 40 and size(100, 512) == 100 and size(0, 512) == 0
-    # from trained weights auto recomputes nothing (the fine-tuning study); a count is still taken as given
-    assert size("auto", 292, from_weights=True) == 0 and size(48, 292, from_weights=True) == 48
-
-
 def test_precise_bn_is_auto_or_a_count_of_images():
     from yoloaccum import config
     from yoloaccum.errors import UserError
@@ -167,9 +158,9 @@ def test_the_kept_images_are_drawn_from_the_seed_alone_and_leave_training_random
     step.recompute(trainer)
     assert _random_states() == before
     assert step.images.shape == (10, 3, 64, 64) and step.batch == precise_bn.BATCH
-    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
+    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 10, 0, 1))
     torch.manual_seed(123)  # another moment of training: the draws do not depend on it
-    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 0, 1))
+    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 10, 0, 1))
 
 
 def test_the_images_are_the_same_on_any_number_of_ranks(tmp_path):
@@ -178,7 +169,7 @@ def test_the_images_are_the_same_on_any_number_of_ranks(tmp_path):
 
     cfg = _draw_settings(shapes_yaml(tmp_path, num_train=12, num_val=4), tmp_path, precise_bn=9)
     spec = data.load_spec(cfg.data)
-    one, first, second = (data.precise_bn_images(cfg, spec, rank, world) for rank, world in ((0, 1), (0, 2), (1, 2)))
+    one, first, second = (data.precise_bn_images(cfg, spec, 9, rank, world) for rank, world in ((0, 1), (0, 2), (1, 2)))
     assert one.shape == (9, 3, 64, 64) and first.shape[0] == 5 and second.shape[0] == 4
     assert torch.equal(one[0::2], first) and torch.equal(one[1::2], second)
 
@@ -192,7 +183,7 @@ def test_augmented_images_follow_the_recipe_and_plain_ones_are_letterboxed(tmp_p
     spec = data.load_spec(yaml_file)
 
     def draw(**changes):
-        return data.precise_bn_images(_draw_settings(yaml_file, tmp_path, **changes), spec, 0, 1)
+        return data.precise_bn_images(_draw_settings(yaml_file, tmp_path, **changes), spec, 10, 0, 1)
 
     mosaic, single = draw(), draw(mosaic=0.0)
     plain = draw(precise_bn_aug=False)

@@ -213,3 +213,11 @@ def test_a_run_starts_from_weights_with_a_pt_model_or_a_pretrained_path(override
 )
 def test_bn_auto_chooses_by_micro_batch_from_scratch_and_one_mode_from_weights(bn, micro, from_weights, mode):
     assert schedule.bn_mode(bn, micro, from_weights) == mode
+
+
+def test_precise_bn_auto_is_an_eighth_of_the_set_from_scratch_none_from_weights_and_a_count_is_as_given():
+    size = schedule.precise_bn_count
+    assert [size("auto", n) for n in (4, 40, 292, 400, 512, 1000, 118_287)] == [4, 40, 48, 50, 64, 125, 256]
+    assert size(100, 40) == 40 and size(100, 512) == 100 and size(0, 512) == 0
+    # from trained weights auto recomputes nothing (the fine-tuning study); a count is still taken as given
+    assert size("auto", 292, from_weights=True) == 0 and size(48, 292, from_weights=True) == 48

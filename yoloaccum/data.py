@@ -218,10 +218,10 @@ def summary(split: str, dataset: Dataset | None, scan: dict | None = None) -> st
     return "\n".join([head, *lines[:10], *(["  ..."] if len(lines) > 10 else [])])
 
 
-def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> torch.Tensor:
-    """This rank's share of the N training images (N = schedule.precise_bn_count) that BatchNorm statistics are
-    recomputed on, as one uint8 tensor (its share of N) x 3 x imgsz x imgsz: the first N of the seed's permutation
-    of the training set.
+def precise_bn_images(cfg: Config, spec: DatasetSpec, num_images: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's share of the N = num_images training images that BatchNorm statistics are recomputed on (the
+    trainer's N: schedule.precise_bn_count), as one uint8 tensor (its share of N) x 3 x imgsz x imgsz: the first N of
+    the seed's permutation of the training set.
 
     With cfg.precise_bn_aug each is drawn as the recipe's training augmentation draws it, mosaic included whatever
     close_mosaic does later (measured best: docs/accuracy.md); without, letterboxed only, as inference sees it.
@@ -231,7 +231,6 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
 
     import numpy as np
 
-    from yoloaccum.schedule import precise_bn_count
     from yoloaccum.state import rng_kept
 
     with rng_kept():
@@ -239,8 +238,7 @@ def precise_bn_images(cfg: Config, spec: DatasetSpec, rank: int, world: int) -> 
         random.seed(cfg.seed)  # Ultralytics' transforms draw from all three generators
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        count = precise_bn_count(cfg.precise_bn, len(dataset), cfg.from_weights)
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[:count]
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed))[:num_images]
         images = [dataset[i]["img"] for i in order.tolist()]
     mine = images[rank::world]
     return torch.stack(mine) if mine else torch.zeros(0, 3, cfg.imgsz, cfg.imgsz, dtype=torch.uint8)

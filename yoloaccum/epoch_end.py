@@ -90,19 +90,19 @@ class PreciseBN:
     images at 160 px, 315 MB at 640); drawing them leaves training's random states as they were, so training is the
     same with and without precise_bn, and a resumed run draws the same images."""
 
-    def __init__(self, count: int) -> None:
-        self.count = count  # images the recompute passes (schedule.precise_bn_count): 0 recomputes nothing
+    def __init__(self, num_images: int) -> None:
+        self.num_images = num_images  # images the recompute passes (schedule.precise_bn_count): 0 recomputes nothing
         self.images: torch.Tensor | None = None
         self.batch = precise_bn.BATCH  # its micro-batch, until one runs out of memory
 
     def __call__(self, t: Run, end: EpochEnd) -> None:
-        if self.count and (t.cfg.val or end.final):
+        if self.num_images and (t.cfg.val or end.final):
             self.recompute(t)
 
     def draw(self, t: Run) -> torch.Tensor:
         """This rank's images, drawn once."""
         if self.images is None:
-            self.images = data.precise_bn_images(t.cfg, t.spec, t.ctx.rank, t.ctx.world_size)
+            self.images = data.precise_bn_images(t.cfg, t.spec, self.num_images, t.ctx.rank, t.ctx.world_size)
         return self.images
 
     def recompute(self, t: Run) -> None:

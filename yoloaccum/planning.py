@@ -178,15 +178,13 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
     }
 
 
-def precise_line(cfg: Config, images: int) -> str:
+def precise_line(cfg: Config, num_images: int) -> str:
     """The plan's row for precise_bn: how many images the recompute passes before each validation, if any."""
-    if images:
-        return (
-            f"statistics recomputed over {images} training images before each validation (precise_bn={cfg.precise_bn})"
-        )
+    if num_images:
+        return f"recomputed over {num_images} training images before each validation (precise_bn={cfg.precise_bn})"
     if cfg.precise_bn == "auto" and cfg.from_weights:
         return "none recomputed: validation reads the running statistics (precise_bn=auto from trained weights)"
-    return "none recomputed: validation reads the running statistics"
+    return "none recomputed: validation reads the running statistics (precise_bn=0)"
 
 
 def iterations(schedule: Schedule) -> list[dict[str, Any]]:

@@ -170,7 +170,7 @@ class Trainer(Parts):
         if self.run is None:
             return
         self.run.announce(
-            s, len(self.train_set), self.ctx, self.loader.num_workers, self.precise_bn.count, self.batch_choice
+            s, len(self.train_set), self.ctx, self.loader.num_workers, self.precise_bn.num_images, self.batch_choice
         )
         pool = self.train_set.max_buffer_length
         theirs = min(len(self.train_set), s.micro_batch * 8, 1000)  # Ultralytics' sizing, by the micro-batch
