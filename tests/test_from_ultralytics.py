@@ -111,6 +111,7 @@ def test_fine_tune_frozen_stops_on_time_and_resumes_with_the_frozen_layers_bitwi
     assert "freeze=10: layers 0-9 frozen" in r.stdout
     said = " ".join(r.stdout.split())
     assert "BatchNorm: bn=auto chose bn=batch for a run from trained weights" in said
+    assert " ".join(schedule.BN_AUTO_FROM_WEIGHTS_WHY.split()) in said  # at micro-batch 4: the study's word on window
     assert " ".join(schedule.PRECISE_BN_FROM_WEIGHTS_WHY.split()) in said and "recomputed over" not in said
     assert "time=1e-06 hours spent: stopped in epoch 1/2" in r.stdout, r.stdout[-2000:]
     last = tmp_path / "ft/weights/last.pt"

@@ -31,11 +31,13 @@ HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralyti
 # own cost accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would
 # (docs/batchnorm.md)
 BN_AUTO_BELOW = 8
-# bn=auto from trained weights (fine-tuning), at any micro-batch: each micro-batch's own statistics, the cheaper mode,
-# as the fine-tuning study has not found bn=window better there (docs/finetuning.md, its figures in the records).
+# bn=auto from trained weights (fine-tuning), at any micro-batch: each micro-batch's own statistics, the cheaper mode.
+# The study has not settled it below 8: bn=window was level on one set and ahead on the other (docs/finetuning.md), and
+# the run says so where it matters.
 BN_AUTO_FROM_WEIGHTS = "batch"
 BN_AUTO_FROM_WEIGHTS_WHY = (
-    "fine-tuning, bn=window has not done better and costs about 1.3x the time (docs/finetuning.md)"
+    "fine-tuning at micro-batch 2, bn=window was level with it on BCCD and ahead on aquarium, at 1.3x to 1.7x the "
+    "time: bn=window if accuracy matters more than time (docs/finetuning.md)"
 )
 
 # precise_bn=auto from scratch: an eighth of the training set, within these bounds. The floor keeps the pass a small

@@ -40,7 +40,13 @@ from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
-from yoloaccum.schedule import BN_AUTO_FROM_WEIGHTS_WHY, PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
+from yoloaccum.schedule import (
+    BN_AUTO_BELOW,
+    BN_AUTO_FROM_WEIGHTS_WHY,
+    PRECISE_BN_FROM_WEIGHTS_WHY,
+    bn_auto_reason,
+    precise_bn_count,
+)
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
@@ -199,7 +205,7 @@ class Trainer(Parts):
         elif chosen:
             self.run.console.print(
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
-                + (f"; {BN_AUTO_FROM_WEIGHTS_WHY}" if cfg.from_weights else "")
+                + (f"; {BN_AUTO_FROM_WEIGHTS_WHY}" if cfg.from_weights and s.micro_batch < BN_AUTO_BELOW else "")
             )
         if cfg.precise_bn == "auto" and cfg.from_weights:
             self.run.console.print(PRECISE_BN_FROM_WEIGHTS_WHY)
