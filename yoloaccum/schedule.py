@@ -45,12 +45,13 @@ BN_AUTO_FROM_WEIGHTS_WHY = (
 # (benchmarks/precise_bn.md measured the choice, docs/accuracy.md).
 PRECISE_BN_SHARE, PRECISE_BN_MIN, PRECISE_BN_MAX = 8, 48, 256
 # precise_bn=auto from trained weights (fine-tuning): no recompute. The checkpoint's running statistics, moved by every
-# micro-batch since, validated as well as the recompute's or better in the fine-tuning study, and the pass costs time
-# before every validation (docs/finetuning.md).
+# micro-batch since, validated better than the recompute's on one set of the fine-tuning study and barely worse on the
+# other, and the pass costs time before every validation (docs/finetuning.md).
 PRECISE_BN_FROM_WEIGHTS = 0
 PRECISE_BN_FROM_WEIGHTS_WHY = (
     "precise_bn=auto recomputes no BatchNorm statistics for a run from trained weights: validation reads the "
-    "running statistics, as Ultralytics'; fine-tuning, the recompute has not done better (docs/finetuning.md)"
+    "running statistics, as Ultralytics'; fine-tuning, the recompute did worse on one set and barely better on the "
+    "other (docs/finetuning.md)"
 )
 
 
