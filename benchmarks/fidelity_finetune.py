@@ -106,6 +106,29 @@ def kept(record: dict, name: str, seed: int) -> dict | None:
     return None
 
 
+def settle(record: dict, name: str, seed: int) -> bool:
+    """Bring this seed's entry of configuration `name` up to today's defaults, training nothing; False when no run of
+    it is kept and it is to be made. A run made under another default (b2's, once bn=auto resolves otherwise) leaves
+    `name`: to the configurations that shared it, which now name what it trained (b2-batch), or else to the
+    superseded runs; then `name` takes the run of whichever configuration now resolves alike."""
+    runs, key = record["runs"], str(seed)
+    stale = runs.get(name, {}).get(key)
+    if stale is not None and settings_of(name, stale) != resolved(name):
+        del runs[name][key]
+        if "same_run_as" not in stale:  # a run of its own, not a copy of another's
+            heirs = [other for other in runs if runs[other].get(key, {}).get("same_run_as") == name]
+            if heirs:
+                runs[heirs[0]][key] = {**stale, "resolved": settings_of(name, stale)}
+                for other in heirs[1:]:
+                    runs[other][key] = {**runs[heirs[0]][key], "same_run_as": heirs[0]}
+            else:
+                record.setdefault("superseded", {}).setdefault(name, {})[key] = stale
+    if (twin := kept(record, name, seed)) is None:
+        return False
+    runs.setdefault(name, {})[key] = twin
+    return True
+
+
 def cost_per_image(run: dict, size: dict) -> float:
     return run["seconds"] / (size["images"] * size["epochs"])
 
@@ -253,13 +276,10 @@ def main() -> None:
         run_size["precise_images"] = precise_bn_count("auto", run_size["images"])  # the shipped precise_bn
         if weights is not None:
             run_size["model"] = str(weights)
-        for seed in [] if a.report else seeds:
+        for seed in seeds:
             for config in configs:
-                if (twin := kept(record, config, seed)) is not None:
-                    runs.setdefault(config, {})[str(seed)] = twin
+                if settle(record, config, seed) or a.report:
                     continue
-                if (stale := runs.get(config, {}).pop(str(seed), None)) is not None:  # made under another default
-                    record.setdefault("superseded", {}).setdefault(config, {})[str(seed)] = stale
                 trainer, settings = CONFIGS[config]
                 print(f"{name} {config} seed {seed} ...", flush=True)
                 result = fresh("train_and_evaluate", trainer, settings, run_size, seed, str(work / config),
@@ -267,6 +287,8 @@ def main() -> None:
                 runs.setdefault(config, {})[str(seed)] = {**result, "resolved": resolved(config)}
                 print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
                 store.write_text(json.dumps(saved, indent=1) + "\n")
+        if a.report:  # the kept runs, re-paired under today's defaults
+            store.write_text(json.dumps(saved, indent=1) + "\n")
         text = report(runs, run_size, configs, seeds, record)
         (out / f"{name}.md").write_text(text)
         print(text, flush=True)
