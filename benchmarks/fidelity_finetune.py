@@ -79,50 +79,58 @@ def checkpoint_for(smoke: bool, work: Path, given: Path | None = None) -> tuple[
     return path, pretrain.sha256(path)
 
 
-def resolved(name: str, from_weights: bool = True) -> dict:
+def resolved(name: str) -> dict:
     """A configuration's settings with bn=auto resolved as a run from weights resolves it today: two names that
     resolve alike (b2, the shipped default, and whichever mode bn=auto takes) are one run, made once a seed, and a
-    kept run made under another default is made again. from_weights=False: the rule before format 4 (by micro-batch
-    alone), which the runs kept without their resolved settings were made under."""
+    kept run made under another default moves to the name of what it trained (settle)."""
     trainer, settings = CONFIGS[name]
     if trainer != "yoloaccum":
         return {"trainer": trainer, **settings}
-    return {"trainer": trainer, **settings, "bn": bn_mode(settings.get("bn", "auto"), settings["batch"], from_weights)}
+    return {"trainer": trainer, **settings, "bn": bn_mode(settings.get("bn", "auto"), settings["batch"])}
 
 
 def settings_of(name: str, run: dict) -> dict:
-    return run.get("resolved") or resolved(name, from_weights=False)
+    """What a kept run trained: its resolved settings, or for a run kept without them, bn=auto by micro-batch alone,
+    the rule they were made under (as today's)."""
+    return run.get("resolved") or resolved(name)
 
 
 def kept(record: dict, name: str, seed: int) -> dict | None:
-    """This seed's run of configuration `name`, or of another that resolves alike, if one is kept (among the runs
-    or those superseded by a change of default)."""
-    want = resolved(name)
-    for runs in (record["runs"], record.get("superseded", {})):
-        for other in [name, *runs]:
-            run = runs.get(other, {}).get(str(seed))
-            if other in CONFIGS and run is not None and settings_of(other, run) == want:
-                return run if (other == name and runs is record["runs"]) else {**run, "same_run_as": other}
+    """This seed's run of configuration `name`, or of another that resolves alike, if one is kept."""
+    want, runs = resolved(name), record["runs"]
+    for other in [name, *runs]:
+        run = runs.get(other, {}).get(str(seed))
+        if other in CONFIGS and run is not None and settings_of(other, run) == want:
+            return run if other == name else {**run, "same_run_as": other}
     return None
 
 
 def settle(record: dict, name: str, seed: int) -> bool:
     """Bring this seed's entry of configuration `name` up to today's defaults, training nothing; False when no run of
     it is kept and it is to be made. A run made under another default (b2's, once bn=auto resolves otherwise) leaves
-    `name`: to the configurations that shared it, which now name what it trained (b2-batch), or else to the
-    superseded runs; then `name` takes the run of whichever configuration now resolves alike."""
-    runs, key = record["runs"], str(seed)
+    `name` for the configuration that now names what it trained: one that shared it (b2-batch), or else the first that
+    asks for it, meanwhile kept aside as superseded. Then `name` takes the run of whichever configuration resolves
+    alike."""
+    runs, key, aside = record["runs"], str(seed), record.setdefault("superseded", {})
     stale = runs.get(name, {}).get(key)
     if stale is not None and settings_of(name, stale) != resolved(name):
         del runs[name][key]
         if "same_run_as" not in stale:  # a run of its own, not a copy of another's
+            stale = {**stale, "resolved": settings_of(name, stale)}
             heirs = [other for other in runs if runs[other].get(key, {}).get("same_run_as") == name]
             if heirs:
-                runs[heirs[0]][key] = {**stale, "resolved": settings_of(name, stale)}
+                runs[heirs[0]][key] = stale
                 for other in heirs[1:]:
-                    runs[other][key] = {**runs[heirs[0]][key], "same_run_as": heirs[0]}
+                    runs[other][key] = {**stale, "same_run_as": heirs[0]}
             else:
-                record.setdefault("superseded", {}).setdefault(name, {})[key] = stale
+                aside.setdefault(name, {})[key] = stale
+    for other, held in aside.items():  # a run set aside is its configuration's own again
+        if key in held and settings_of(other, held[key]) == resolved(name):
+            runs.setdefault(name, {})[key] = held.pop(key)
+            break
+    record["superseded"] = {other: held for other, held in aside.items() if held}
+    if not record["superseded"]:
+        del record["superseded"]
     if (twin := kept(record, name, seed)) is None:
         return False
     runs.setdefault(name, {})[key] = twin
@@ -187,6 +195,9 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             if name == other or not both or other not in CONFIGS:
                 cells.append("–")
                 continue
+            if all(same_run(runs, name, other, s) for s in both):
+                cells.append("the same runs")
+                continue
             ours, theirs = values(name, shipped(name), both), values(other, shipped(other), both)
             d = paired(ours, theirs)
             ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
@@ -206,6 +217,12 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             f"| {cells[0]} | {cells[1]} | {cells[2]} | {ms_cell} |"
         )
     return "\n".join(lines + precise_bn_effect(runs, configs, seeds)) + "\n"
+
+
+def same_run(runs: dict, name: str, other: str, seed: int) -> bool:
+    """Whether two configurations' runs of a seed are one run, kept under both names."""
+    a, b = runs[name][str(seed)], runs[other][str(seed)]
+    return a.get("same_run_as") == other or b.get("same_run_as") == name
 
 
 def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
@@ -258,7 +275,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     weights, sha = (None, None) if a.report else checkpoint_for(a.smoke, work, a.checkpoint)
     sizes = {"shapes": {**SMOKE, "seeds": [0]}} if a.smoke else {d: SIZES[d] for d in a.data}
-    configs = ["b64", "b2", "b2-batch", "ultralytics-b2"] if a.smoke else a.configs  # b2-batch: b2's runs
+    twin = f"b2-{bn_mode('auto', 2)}"  # the configuration that resolves as b2, the default: b2's runs
+    configs = ["b64", "b2", twin, "ultralytics-b2"] if a.smoke else a.configs
     for name, size in sizes.items():
         if not a.smoke and not SHARED_SETS[name].exists():
             print(f"fidelity_finetune: {SHARED_SETS[name]} is not here; {name} skipped", flush=True)

@@ -80,17 +80,20 @@ def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path
 
 def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(tmp_path):
     """The fine-tuning study in small: a tiny checkpoint fine-tuned by both trainers, kept under its SHA-256; a
-    configuration that resolves as another (b2-batch as the default b2 from weights) reuses its runs."""
+    configuration that resolves as another (b2-window as the default b2 from weights) reuses its runs."""
+    from yoloaccum.schedule import bn_mode
+
+    twin = f"b2-{bn_mode('auto', 2)}"
     cmd = [sys.executable, "benchmarks/fidelity_finetune.py", "--smoke", "--out", str(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, env=scratch_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ((sha, record),) = json.loads((tmp_path / "shapes.json").read_text()).items()
-    assert record["sha256"] == sha and sorted(record["runs"]) == ["b2", "b2-batch", "b64", "ultralytics-b2"]
-    assert r.stdout.count("shapes b2") == 1 and "shapes b2-batch" not in r.stdout  # one run for the two names
-    assert record["runs"]["b2-batch"]["0"]["same_run_as"] == "b2"
+    assert record["sha256"] == sha and sorted(record["runs"]) == sorted(["b2", twin, "b64", "ultralytics-b2"])
+    assert r.stdout.count("shapes b2") == 1 and f"shapes {twin}" not in r.stdout  # one run for the two names
+    assert record["runs"][twin]["0"]["same_run_as"] == "b2"
     table = (tmp_path / "shapes.md").read_text()
     assert "| b2 | 0 |" in table and "| ultralytics-b2 | 0 |" in table
-    assert "| b2-batch (the runs of b2) | 0 |" in table
+    assert f"| {twin} (the runs of b2) | 0 |" in table
 
 
 def test_pretrain_finds_its_checkpoint_by_its_hash_and_refuses_an_altered_one(tmp_path, monkeypatch):
@@ -112,7 +115,8 @@ def test_pretrain_finds_its_checkpoint_by_its_hash_and_refuses_an_altered_one(tm
 def test_fidelity_finetune_moves_runs_made_under_another_default_to_what_they_trained():
     """When bn=auto's choice from weights changes, the default's kept runs name the mode they trained: b2's run goes
     to the configuration that shared it, b2 takes the run of the mode it now resolves to, and a run no configuration
-    shared is kept aside as superseded. Nothing is dropped and nothing is trained again."""
+    shared is kept aside as superseded until its mode's configuration takes it. Nothing is dropped and nothing is
+    trained again."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import fidelity_finetune as study
 
@@ -135,5 +139,6 @@ def test_fidelity_finetune_moves_runs_made_under_another_default_to_what_they_tr
     # seed 1: no configuration shared b2's run and none holds today's mode, so it is kept aside and b2 is to be made
     assert not study.settle(record, "b2", 1)
     assert record["superseded"]["b2"]["1"]["raw"]["mAP50-95"] == 0.2 and "1" not in runs["b2"]
-    assert study.settle(record, f"b2-{before}", 1)  # ...and it is that mode's run, taken back from the superseded
-    assert runs[f"b2-{before}"]["1"]["same_run_as"] == "b2"
+    assert study.settle(record, f"b2-{before}", 1)  # ...and the run of that mode's configuration, its own
+    assert runs[f"b2-{before}"]["1"]["raw"]["mAP50-95"] == 0.2 and "same_run_as" not in runs[f"b2-{before}"]["1"]
+    assert "superseded" not in record

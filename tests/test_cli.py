@@ -183,11 +183,12 @@ def test_plan_json_summary(plan_json: dict) -> None:
 
 
 def test_plan_says_what_a_run_from_trained_weights_takes_for_batchnorm(run_cli) -> None:
-    """From a .pt, bn=auto takes bn=batch at any micro-batch and precise_bn=auto recomputes nothing; plan says so
-    from the config alone, before any weights are read, and a precise_bn given is taken as given."""
+    """From a .pt, bn=auto takes bn=window below 8 images per device, as from scratch, and says why; precise_bn=auto
+    recomputes nothing. plan says so from the config alone, before any weights are read, and a precise_bn given is
+    taken as given."""
     s = _plan_json(run_cli, "model=runs/x/weights/best.pt", "batch=2", "nbs=64", "images=292")["summary"]
-    assert (s["bn"], s["precise_bn_images"]) == ("batch", 0)
-    assert "from trained weights" in s["bn_reason"]
+    assert (s["bn"], s["precise_bn_images"]) == ("window", 0)
+    assert "from trained weights as from scratch" in s["bn_reason"] and "fell short" in s["bn_reason"]
     for given, count in (("100", 100), ("500", 292)):  # as given, at most the training set
         args = ("model=runs/x/weights/best.pt", "batch=2", "images=292", f"precise_bn={given}")
         assert _plan_json(run_cli, *args)["summary"]["precise_bn_images"] == count

@@ -83,15 +83,15 @@ def test_cfg_and_plan_list_what_the_recipe_dropped(cli_in_process):
     assert yaml.safe_load(cli_in_process("cfg", f"cfg={recipe}").stdout)["lr0"] == 0.01
 
 
-def test_plan_of_a_fine_tune_names_bn_autos_choice_and_does_not_warn(pretrained_pt, data, cli_in_process):
+def test_plan_of_a_fine_tune_names_bn_autos_choice_and_why(pretrained_pt, data, cli_in_process):
     def summary(*args):
         r = cli_in_process("plan", f"data={data}", "batch=2", "--json", *args)
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])["summary"]
 
     tuned = summary(f"model={pretrained_pt}")
-    assert (tuned["bn"], tuned["bn_reason"]) == ("batch", schedule.bn_auto_reason(2, from_weights=True))
-    assert "run from trained weights" in tuned["bn_reason"]
+    assert (tuned["bn"], tuned["bn_reason"]) == ("window", schedule.bn_auto_reason(2, from_weights=True))
+    assert schedule.BN_AUTO_FROM_WEIGHTS_WHY in tuned["bn_reason"]
     assert not any("with bn=batch" in w for w in tuned["warnings"])
     scratch = summary()
     assert (scratch["bn"], scratch["bn_reason"]) == ("window", "for 2 images per device")
@@ -110,8 +110,8 @@ def test_fine_tune_frozen_stops_on_time_and_resumes_with_the_frozen_layers_bitwi
     assert "(80 classes -> 4)" in r.stdout
     assert "freeze=10: layers 0-9 frozen" in r.stdout
     said = " ".join(r.stdout.split())
-    assert "BatchNorm: bn=auto chose bn=batch for a run from trained weights" in said
-    assert " ".join(schedule.BN_AUTO_FROM_WEIGHTS_WHY.split()) in said  # at micro-batch 4: the study's word on window
+    reason = schedule.bn_auto_reason(4, from_weights=True)  # the study's word on bn=window from weights, below 8
+    assert f"BatchNorm: bn=auto chose bn=window {' '.join(reason.split())}: each micro-batch of 4" in said
     assert " ".join(schedule.PRECISE_BN_FROM_WEIGHTS_WHY.split()) in said and "recomputed over" not in said
     assert "time=1e-06 hours spent: stopped in epoch 1/2" in r.stdout, r.stdout[-2000:]
     last = tmp_path / "ft/weights/last.pt"

@@ -141,18 +141,21 @@ def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_o
 
 
 def test_a_run_resumes_with_the_batchnorm_mode_it_trained_with_also_from_a_file_before_format_4(uninterrupted):
-    """last.pt keeps the mode in force (bn=auto resolved), which the resumed run takes. Format 4 changed bn=auto's
-    choice for runs from weights: an earlier file's mode is the one its bn=auto took by micro-batch alone."""
+    """last.pt keeps the mode in force (bn=auto resolved), which the resumed run takes whatever bn=auto takes today:
+    a run from weights that trained with bn=batch below 8 images per device (bn=auto's choice there for a while) goes
+    on with it. An earlier file's mode is the one its bn=auto took, by micro-batch alone."""
     path = uninterrupted / "weights/last.pt"
     ckpt = checkpoint.load(path)
     saved = ckpt["yoloaccum"]
     s = saved["schedule"]
-    assert saved["config"]["bn"] == "auto" and s["batch"] // s["world_size"] < schedule.BN_AUTO_BELOW
+    micro = s["batch"] // s["world_size"]
+    assert saved["config"]["bn"] == "auto" and micro < schedule.BN_AUTO_BELOW
     assert saved["bn"] == "window" and state.read(ckpt, path)["bn"] == "window"
+    tuned = {**saved, "config": {**saved["config"], "model": "weights.pt"}, "bn": "batch"}
+    assert config.Config(tuned["config"]).from_weights and schedule.bn_mode("auto", micro) == "window"
+    assert state.read({**ckpt, "yoloaccum": tuned}, path)["bn"] == "batch"
     before = {k: v for k, v in saved.items() if k != "bn"}
-    from_weights = {**before, "format": 3, "config": {**saved["config"], "model": "weights.pt"}}
-    assert config.Config(from_weights["config"]).from_weights  # today's bn=auto would take bn=batch
-    assert state.read({**ckpt, "yoloaccum": from_weights}, path)["bn"] == "window"
+    assert state.read({**ckpt, "yoloaccum": {**before, "format": 3}}, path)["bn"] == "window"
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_how_it_trained(uninterrupted, tmp_path):

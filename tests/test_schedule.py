@@ -200,19 +200,27 @@ def test_a_run_starts_from_weights_with_a_pt_model_or_a_pretrained_path(override
 
 
 @pytest.mark.parametrize(
-    ("bn", "micro", "from_weights", "mode"),
+    ("bn", "micro", "mode"),
     [
-        ("auto", 2, False, "window"),
-        ("auto", 7, False, "window"),
-        ("auto", 8, False, "batch"),
-        ("auto", 2, True, schedule.BN_AUTO_FROM_WEIGHTS),
-        ("auto", 16, True, schedule.BN_AUTO_FROM_WEIGHTS),
-        ("window", 2, True, "window"),  # a mode given is the mode in force
-        ("frozen", 16, False, "frozen"),
+        ("auto", 2, "window"),
+        ("auto", 7, "window"),
+        ("auto", 8, "batch"),
+        ("auto", 16, "batch"),
+        ("window", 16, "window"),  # a mode given is the mode in force
+        ("batch", 2, "batch"),
+        ("frozen", 16, "frozen"),
     ],
 )
-def test_bn_auto_chooses_by_micro_batch_from_scratch_and_one_mode_from_weights(bn, micro, from_weights, mode):
-    assert schedule.bn_mode(bn, micro, from_weights) == mode
+def test_bn_auto_chooses_by_micro_batch(bn, micro, mode):
+    assert schedule.bn_mode(bn, micro) == mode
+
+
+def test_bn_autos_reason_from_weights_gives_the_studys_word_below_8_only():
+    assert schedule.bn_auto_reason(2, from_weights=False) == "for 2 images per device"
+    assert schedule.bn_auto_reason(8, from_weights=True) == "for 8 images per device"
+    reason = schedule.bn_auto_reason(4, from_weights=True)
+    assert reason.startswith("for 4 images per device, from trained weights as from scratch")
+    assert schedule.BN_AUTO_FROM_WEIGHTS_WHY in reason
 
 
 def test_precise_bn_auto_is_an_eighth_of_the_set_from_scratch_none_from_weights_and_a_count_is_as_given():

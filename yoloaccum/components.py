@@ -103,7 +103,7 @@ def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
     data.set_batch(train_set, batch, window)
     loader = batches.build_loader(train_set, cfg, schedule.micro_batch, ctx.rank, ctx.world_size, ctx.device)
     # the mode in force: bn=auto resolved, or on resume the mode the run trained with (last.pt keeps it)
-    bn = ckpt["yoloaccum"]["bn"] if ckpt else schedule_.bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
+    bn = ckpt["yoloaccum"]["bn"] if ckpt else schedule_.bn_mode(cfg.bn, schedule.micro_batch)
     window_statistics = None
     if bn == "window":  # before the optimizer is built: the layers are replaced, their parameters kept
         norm.convert(raw_model, frozen)

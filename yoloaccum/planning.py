@@ -75,9 +75,9 @@ def _data():
 def warnings(cfg: Config, schedule: Schedule) -> list[str]:
     """Recipe choices that work but deserve a second look."""
     out = []
-    micro, bn = schedule.micro_batch, bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights)
+    micro, bn = schedule.micro_batch, bn_mode(cfg.bn, schedule.micro_batch)
     # only where bn=auto would have chosen otherwise: where the evidence has bn=window ahead
-    if bn == "batch" and bn_mode("auto", micro, cfg.from_weights) == "window":
+    if bn == "batch" and bn_mode("auto", micro) == "window":
         out.append(
             f"micro-batch {micro} per device with bn=batch: BatchNorm trains on the statistics of {micro} images, "
             f"which costs accuracy below {BN_AUTO_BELOW} (docs/accuracy.md); bn=window (what bn=auto, the default, "
@@ -169,7 +169,7 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
         "steps_per_epoch": [schedule.steps_per_epoch(e) for e in range(schedule.epochs)],
         "total_steps": schedule.total_steps,
         "norm": cfg.norm,
-        "bn": bn_mode(cfg.bn, schedule.micro_batch, cfg.from_weights),  # the mode in force: auto resolved
+        "bn": bn_mode(cfg.bn, schedule.micro_batch),  # the mode in force: auto resolved
         "bn_reason": bn_auto_reason(schedule.micro_batch, cfg.from_weights) if cfg.bn == "auto" else "as given",
         # images whose BatchNorm statistics are recomputed before each validation: precise_bn, with auto resolved
         "precise_bn_images": precise_bn_count(cfg.precise_bn, schedule.num_images, cfg.from_weights),

@@ -27,17 +27,14 @@ ADAPTIVE = ADAM | {"RMSprop"}
 # lr_scale: how the update size should follow effective batch / nbs, as an exponent of that ratio
 LR_SCALE_EXPONENT = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
 HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralytics
-# bn=auto from scratch: each window's statistics (bn=window) below this many images per device, where a micro-batch's
-# own cost accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would
-# (docs/batchnorm.md)
+# bn=auto: each window's statistics (bn=window) below this many images per device, where a micro-batch's own cost
+# accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would (docs/batchnorm.md).
+# The same for a run from trained weights: fine-tuning below 8, bn=window kept both sets of the study level with a real
+# batch of 64, where bn=batch fell short on one and was ahead on the other (docs/finetuning.md).
 BN_AUTO_BELOW = 8
-# bn=auto from trained weights (fine-tuning), at any micro-batch: each micro-batch's own statistics, the cheaper mode.
-# The study has not settled it below 8: bn=window was level on one set and ahead on the other (docs/finetuning.md), and
-# the run says so where it matters.
-BN_AUTO_FROM_WEIGHTS = "batch"
 BN_AUTO_FROM_WEIGHTS_WHY = (
-    "fine-tuning at micro-batch 2, bn=window was level with it on BCCD and ahead on aquarium, at 1.3x to 1.7x the "
-    "time: bn=window if accuracy matters more than time (docs/finetuning.md)"
+    "fine-tuning at micro-batch 2 and 4, bn=window kept both sets of the study level with a real batch of 64, where "
+    "bn=batch fell short on one and was ahead on the other: docs/finetuning.md"
 )
 
 # precise_bn=auto from scratch: an eighth of the training set, within these bounds. The floor keeps the pass a small
@@ -238,20 +235,17 @@ class Schedule:
         return [tuple(e) for e in ends]
 
 
-def bn_mode(bn: str, micro_batch: int, from_weights: bool = False) -> str:
-    """The BatchNorm mode a run trains with: `bn`, or for bn=auto the choice for `micro_batch` images per device and
-    for a run that starts from trained weights or from scratch."""
+def bn_mode(bn: str, micro_batch: int) -> str:
+    """The BatchNorm mode a run trains with: `bn`, or for bn=auto the choice for `micro_batch` images per device."""
     if bn != "auto":
         return bn
-    if from_weights:
-        return BN_AUTO_FROM_WEIGHTS
     return "window" if micro_batch < BN_AUTO_BELOW else "batch"
 
 
 def bn_auto_reason(micro_batch: int, from_weights: bool) -> str:
     """Why bn=auto chose what it chose, for the run's first lines and `plan`."""
-    if from_weights:
-        return f"for a run from trained weights (fine-tuning; from scratch, bn=window below {BN_AUTO_BELOW})"
+    if from_weights and micro_batch < BN_AUTO_BELOW:
+        return f"for {micro_batch} images per device, from trained weights as from scratch ({BN_AUTO_FROM_WEIGHTS_WHY})"
     return f"for {micro_batch} images per device"
 
 

@@ -11,8 +11,8 @@ The entry is versioned by its `format` (FORMAT):
 - format 3: no rank holds bn=window's queues (bn=window now takes each window's statistics from its own images);
   a format-2 file of a bn=window run is refused, as it trained with the queues; any other converts unchanged;
 - format 4: adds `bn`, the BatchNorm mode in force (bn=auto resolved), which a resumed run keeps whatever its devices
-  (bn=auto of a run from trained weights now takes schedule.BN_AUTO_FROM_WEIGHTS); an earlier file's is the mode its
-  bn=auto chose then, by micro-batch alone;
+  and whatever bn=auto takes today (for a while bn=auto of a run from trained weights took bn=batch at any
+  micro-batch); an earlier file's is the mode its bn=auto chose then, by micro-batch alone;
 - before format 1, one set of random states for all ranks (no `ranks`): refused, as nothing can rebuild the others.
 """
 

@@ -41,8 +41,6 @@ from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
 from yoloaccum.schedule import (
-    BN_AUTO_BELOW,
-    BN_AUTO_FROM_WEIGHTS_WHY,
     PRECISE_BN_FROM_WEIGHTS_WHY,
     bn_auto_reason,
     precise_bn_count,
@@ -205,7 +203,6 @@ class Trainer(Parts):
         elif chosen:
             self.run.console.print(
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
-                + (f"; {BN_AUTO_FROM_WEIGHTS_WHY}" if cfg.from_weights and s.micro_batch < BN_AUTO_BELOW else "")
             )
         if cfg.precise_bn == "auto" and cfg.from_weights:
             self.run.console.print(PRECISE_BN_FROM_WEIGHTS_WHY)
