@@ -82,7 +82,7 @@ def checkpoint_for(smoke: bool, work: Path, given: Path | None = None) -> tuple[
 def resolved(name: str) -> dict:
     """A configuration's settings with bn=auto resolved as a run from weights resolves it today: two names that
     resolve alike (b2, the shipped default, and whichever mode bn=auto takes) are one run, made once a seed, and a
-    kept run made under another default moves to the name of what it trained (settle)."""
+    kept run made under another default moves to the name of what it trained (move_stale)."""
     trainer, settings = CONFIGS[name]
     if trainer != "yoloaccum":
         return {"trainer": trainer, **settings}
@@ -90,51 +90,61 @@ def resolved(name: str) -> dict:
 
 
 def settings_of(name: str, run: dict) -> dict:
-    """What a kept run trained: its resolved settings, or for a run kept without them, bn=auto by micro-batch alone,
-    the rule they were made under (as today's)."""
-    return run.get("resolved") or resolved(name)
+    """What a kept run trained: its resolved settings, or for a run kept before they were (the pilot's), what bn=auto
+    took then: bn=window below 8 images per device, by micro-batch alone."""
+    if "resolved" in run:
+        return run["resolved"]
+    trainer, settings = CONFIGS[name]
+    if trainer != "yoloaccum" or settings.get("bn", "auto") != "auto":
+        return {"trainer": trainer, **settings}
+    return {"trainer": trainer, **settings, "bn": "window" if settings["batch"] < 8 else "batch"}
 
 
-def kept(record: dict, name: str, seed: int) -> dict | None:
-    """This seed's run of configuration `name`, or of another that resolves alike, if one is kept."""
-    want, runs = resolved(name), record["runs"]
-    for other in [name, *runs]:
-        run = runs.get(other, {}).get(str(seed))
-        if other in CONFIGS and run is not None and settings_of(other, run) == want:
-            return run if other == name else {**run, "same_run_as": other}
-    return None
-
-
-def settle(record: dict, name: str, seed: int) -> bool:
-    """Bring this seed's entry of configuration `name` up to today's defaults, training nothing; False when no run of
-    it is kept and it is to be made. A run made under another default (b2's, once bn=auto resolves otherwise) leaves
-    `name` for the configuration that now names what it trained: one that shared it (b2-batch), or else the first that
-    asks for it, meanwhile kept aside as superseded. Then `name` takes the run of whichever configuration resolves
-    alike."""
-    runs, key, aside = record["runs"], str(seed), record.setdefault("superseded", {})
-    stale = runs.get(name, {}).get(key)
-    if stale is not None and settings_of(name, stale) != resolved(name):
+def move_stale(record: dict, seed: int) -> None:
+    """Runs of this seed made under another default (b2's bn=batch runs, once bn=auto takes bn=window) leave the
+    configuration they were made for, for the one that names what they trained (b2-batch), where it holds no run of
+    its own; the copies that pointed at them follow. A run no configuration names is kept aside as superseded.
+    Nothing is dropped, and nothing is trained again."""
+    runs, key = record["runs"], str(seed)
+    for name in list(runs):
+        stale = runs[name].get(key)
+        if name not in CONFIGS or stale is None or settings_of(name, stale) == resolved(name):
+            continue
         del runs[name][key]
-        if "same_run_as" not in stale:  # a run of its own, not a copy of another's
-            stale = {**stale, "resolved": settings_of(name, stale)}
-            heirs = [other for other in runs if runs[other].get(key, {}).get("same_run_as") == name]
-            if heirs:
-                runs[heirs[0]][key] = stale
-                for other in heirs[1:]:
-                    runs[other][key] = {**stale, "same_run_as": heirs[0]}
-            else:
-                aside.setdefault(name, {})[key] = stale
-    for other, held in aside.items():  # a run set aside is its configuration's own again
-        if key in held and settings_of(other, held[key]) == resolved(name):
-            runs.setdefault(name, {})[key] = held.pop(key)
-            break
-    record["superseded"] = {other: held for other, held in aside.items() if held}
-    if not record["superseded"]:
-        del record["superseded"]
-    if (twin := kept(record, name, seed)) is None:
-        return False
-    runs.setdefault(name, {})[key] = twin
-    return True
+        if "same_run_as" in stale:  # a copy of another's run: made again from it, if still its twin
+            continue
+        trained = settings_of(name, stale)
+        stale = {**stale, "resolved": trained}
+        # a configuration naming what it trained, holding no run of its own for the seed (none, or a copy)
+        home = next((o for o in CONFIGS if resolved(o) == trained and not own(runs, o, key)), None)
+        if home:
+            runs.setdefault(home, {})[key] = stale
+        else:
+            record.setdefault("superseded", {}).setdefault(name, {}).setdefault(key, []).append(stale)
+        for other in runs:  # copies of it now copy it from its new home, or go
+            if runs[other].get(key, {}).get("same_run_as") == name:
+                del runs[other][key]
+                if home:
+                    runs[other][key] = {**stale, "same_run_as": home}
+
+
+def own(runs: dict, name: str, key: str) -> bool:
+    """Whether configuration `name` holds a run of its own for seed `key` (not a copy of another's)."""
+    run = runs.get(name, {}).get(key)
+    return run is not None and "same_run_as" not in run
+
+
+def kept(record: dict, name: str, seed: int) -> bool:
+    """Whether a run of configuration `name` is kept for this seed: its own, or (taken as a copy) the run of another
+    configuration that resolves alike. Call move_stale first, so that every run kept is current for its name."""
+    runs, key, want = record["runs"], str(seed), resolved(name)
+    for other in [name, *runs]:
+        run = runs.get(other, {}).get(key)
+        if other in CONFIGS and run is not None and settings_of(other, run) == want:
+            if other != name:
+                runs.setdefault(name, {})[key] = {**run, "same_run_as": run.get("same_run_as", other)}
+            return True
+    return False
 
 
 def cost_per_image(run: dict, size: dict) -> float:
@@ -283,20 +293,22 @@ def main() -> None:
             continue
         store = out / f"{name}.json"
         saved = json.loads(store.read_text()) if store.exists() else {}
-        if sha is None:  # --report: the latest checkpoint's runs
-            sha = next(iter(saved), None)
-            if sha is None:
-                continue
-        record = saved.setdefault(sha, {"sha256": sha, "checkpoint": weights.name if weights else "?", "runs": {}})
+        key = sha or next(iter(saved), None)  # --report: the first checkpoint's runs in the store
+        if key is None:
+            continue
+        record = saved.setdefault(key, {"sha256": key, "checkpoint": weights.name if weights else "?", "runs": {}})
+        before = json.dumps(saved)
         runs = record["runs"]
         seeds = a.seeds or size["seeds"]
         run_size = {k: v for k, v in size.items() if k != "seeds"}
         run_size["precise_images"] = precise_bn_count("auto", run_size["images"])  # the shipped precise_bn
         if weights is not None:
             run_size["model"] = str(weights)
+        for seed in sorted({int(s) for held in runs.values() for s in held} | set(seeds)):
+            move_stale(record, seed)
         for seed in seeds:
             for config in configs:
-                if settle(record, config, seed) or a.report:
+                if kept(record, config, seed) or a.report:
                     continue
                 trainer, settings = CONFIGS[config]
                 print(f"{name} {config} seed {seed} ...", flush=True)
@@ -305,7 +317,7 @@ def main() -> None:
                 runs.setdefault(config, {})[str(seed)] = {**result, "resolved": resolved(config)}
                 print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
                 store.write_text(json.dumps(saved, indent=1) + "\n")
-        if a.report:  # the kept runs, re-paired under today's defaults
+        if json.dumps(saved) != before:  # kept runs moved or paired under today's defaults
             store.write_text(json.dumps(saved, indent=1) + "\n")
         text = report(runs, run_size, configs, seeds, record)
         (out / f"{name}.md").write_text(text)

@@ -110,35 +110,3 @@ def test_pretrain_finds_its_checkpoint_by_its_hash_and_refuses_an_altered_one(tm
     assert pretrain.record() is not None and pretrain.ensure() == weights
     weights.write_bytes(b"altered")
     assert pretrain.record() is None
-
-
-def test_fidelity_finetune_moves_runs_made_under_another_default_to_what_they_trained():
-    """When bn=auto's choice from weights changes, the default's kept runs name the mode they trained: b2's run goes
-    to the configuration that shared it, b2 takes the run of the mode it now resolves to, and a run no configuration
-    shared is kept aside as superseded until its mode's configuration takes it. Nothing is dropped and nothing is
-    trained again."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import fidelity_finetune as study
-
-    today = study.resolved("b2")["bn"]
-    before = "window" if today == "batch" else "batch"  # what a change of default would have left b2 holding
-
-    def run(bn: str, mAP: float) -> dict:
-        return {"seconds": 1.0, "raw": {"mAP50-95": mAP}, "resolved": {"trainer": "yoloaccum", "batch": 2, "bn": bn}}
-
-    record = {"runs": {
-        "b2": {"0": run(before, 0.1), "1": run(before, 0.2)},
-        f"b2-{before}": {"0": {**run(before, 0.1), "same_run_as": "b2"}},
-        f"b2-{today}": {"0": run(today, 0.3)},
-    }}  # fmt: skip
-    assert all(study.settle(record, name, 0) for name in ("b2", f"b2-{before}", f"b2-{today}"))
-    runs = record["runs"]
-    assert runs[f"b2-{before}"]["0"]["raw"]["mAP50-95"] == 0.1 and "same_run_as" not in runs[f"b2-{before}"]["0"]
-    assert runs["b2"]["0"]["raw"]["mAP50-95"] == 0.3 and runs["b2"]["0"]["same_run_as"] == f"b2-{today}"
-    assert "superseded" not in record
-    # seed 1: no configuration shared b2's run and none holds today's mode, so it is kept aside and b2 is to be made
-    assert not study.settle(record, "b2", 1)
-    assert record["superseded"]["b2"]["1"]["raw"]["mAP50-95"] == 0.2 and "1" not in runs["b2"]
-    assert study.settle(record, f"b2-{before}", 1)  # ...and the run of that mode's configuration, its own
-    assert runs[f"b2-{before}"]["1"]["raw"]["mAP50-95"] == 0.2 and "same_run_as" not in runs[f"b2-{before}"]["1"]
-    assert "superseded" not in record

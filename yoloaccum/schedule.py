@@ -29,12 +29,12 @@ LR_SCALE_EXPONENT = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
 HEAD_LR_SCALE = 3  # MuSGD trains the class heads (cv3) at 3 x lr0, as Ultralytics
 # bn=auto: each window's statistics (bn=window) below this many images per device, where a micro-batch's own cost
 # accuracy; each micro-batch's (bn=batch) from here on, where they cost little and the pass would (docs/batchnorm.md).
-# The same for a run from trained weights: fine-tuning below 8, bn=window kept both sets of the study level with a real
-# batch of 64, where bn=batch fell short on one and was ahead on the other (docs/finetuning.md).
+# The same for a run from trained weights: fine-tuning below 8, bn=window kept both sets of the study close to a real
+# batch of 64, where bn=batch fell far short on one and was ahead on the other (docs/finetuning.md).
 BN_AUTO_BELOW = 8
 BN_AUTO_FROM_WEIGHTS_WHY = (
-    "fine-tuning at micro-batch 2 and 4, bn=window kept both sets of the study level with a real batch of 64, where "
-    "bn=batch fell short on one and was ahead on the other: docs/finetuning.md"
+    "fine-tuning at micro-batch 2 and 4, bn=window kept both sets of the study within 3% of a real batch of 64, "
+    "where bn=batch fell short on one by 14% to 26% and was ahead on the other: docs/finetuning.md"
 )
 
 # precise_bn=auto from scratch: an eighth of the training set, within these bounds. The floor keeps the pass a small

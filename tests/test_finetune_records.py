@@ -1,0 +1,65 @@
+"""The fine-tuning study's records (benchmarks/fidelity_finetune.py): when bn=auto's default changes, every kept run
+ends under the configuration that names what it trained, and none is dropped or overwritten. Records in memory, no
+training."""
+
+import pytest
+from conftest import REPO
+
+
+@pytest.fixture
+def study(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import fidelity_finetune
+
+    return fidelity_finetune
+
+
+@pytest.fixture
+def modes(study) -> tuple[str, str]:
+    """bn=auto's mode at micro-batch 2 today, and the other, which a change of default would have left b2 holding."""
+    today = study.resolved("b2")["bn"]
+    return today, "window" if today == "batch" else "batch"
+
+
+def run(bn: str, mAP: float) -> dict:
+    return {"seconds": 1.0, "raw": {"mAP50-95": mAP}, "resolved": {"trainer": "yoloaccum", "batch": 2, "bn": bn}}
+
+
+def mAP(record: dict, name: str, seed: int = 0) -> float:
+    return record["runs"][name][str(seed)]["raw"]["mAP50-95"]
+
+
+def test_the_defaults_old_runs_go_to_the_configuration_that_shared_them_and_b2_takes_todays(study, modes):
+    today, before = modes
+    copy = {**run(before, 0.1), "same_run_as": "b2"}  # b2-<before> resolved as b2 did: one run for the two names
+    record = {
+        "runs": {"b2": {"0": run(before, 0.1)}, f"b2-{before}": {"0": copy}, f"b2-{today}": {"0": run(today, 0.3)}}
+    }
+    study.move_stale(record, 0)
+    assert all(study.kept(record, name, 0) for name in ("b2", f"b2-{before}", f"b2-{today}"))
+    runs = record["runs"]
+    assert mAP(record, f"b2-{before}") == 0.1 and "same_run_as" not in runs[f"b2-{before}"]["0"]
+    assert mAP(record, "b2") == 0.3 and runs["b2"]["0"]["same_run_as"] == f"b2-{today}"
+    assert "superseded" not in record
+
+
+def test_an_old_run_nobody_shared_moves_to_its_modes_configuration_and_b2_is_to_be_made(study, modes):
+    today, before = modes
+    record = {"runs": {"b2": {"0": run(before, 0.2)}}}
+    study.move_stale(record, 0)
+    assert not study.kept(record, "b2", 0)  # today's mode at 2 has no run: it is to be made
+    assert study.kept(record, f"b2-{before}", 0) and mAP(record, f"b2-{before}") == 0.2
+    assert "same_run_as" not in record["runs"][f"b2-{before}"]["0"] and "superseded" not in record
+
+
+def test_a_second_change_of_default_overwrites_no_run(study, modes):
+    """b2's old run meets a configuration that already holds its own run of that mode (the study ran it by name):
+    the old one is kept aside, and the one in place stays."""
+    today, before = modes
+    record = {"runs": {"b2": {"0": run(before, 0.1)}, f"b2-{before}": {"0": run(before, 0.4)}}}
+    study.move_stale(record, 0)
+    assert mAP(record, f"b2-{before}") == 0.4
+    assert [r["raw"]["mAP50-95"] for r in record["superseded"]["b2"]["0"]] == [0.1]
+    record["runs"]["b2"]["0"] = run("sync", 0.5)  # one more change: set aside beside the first, not over it
+    study.move_stale(record, 0)
+    assert [r["raw"]["mAP50-95"] for r in record["superseded"]["b2"]["0"]] == [0.1, 0.5]
