@@ -40,11 +40,7 @@ from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
-from yoloaccum.schedule import (
-    PRECISE_BN_FROM_WEIGHTS_WHY,
-    bn_auto_reason,
-    precise_bn_count,
-)
+from yoloaccum.schedule import PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
