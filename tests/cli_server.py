@@ -19,6 +19,7 @@ It says {"ready": true} once its imports are done.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import json
 import os
@@ -63,6 +64,8 @@ def _become(request: dict) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    # a run that crashes (SIGSEGV, SIGABRT) leaves its Python stack in its stderr, then dies of the signal as before
+    faulthandler.enable()
     sys.argv = ["-m", *request["argv"]]
     status = 0
     try:
