@@ -10,7 +10,9 @@ On a CUDA machine it runs on cuda:0 with AMP, as the trainer would (docs/batchno
 Each engine trains the same in-memory batches through Engine.train_epoch, whole windows and their steps, bn=window's
 statistics pass included: bn=batch, bn=window (the pass over all the window's images) and bn=window with
 bn_window=16 (the pass over its first 16). Their repetitions alternate, so a slow spell of the machine falls on all,
-and the median of the repetitions is reported. Writes benchmarks/bn_window.{md,json} (not with --smoke).
+and the median of the repetitions is reported. Each bn=window cost is split in two, as parts of bn=batch's time per
+image: the statistics pass (timed on its own) and the rest, the micro-steps' renormalisation. Writes
+benchmarks/bn_window.{md,json} (not with --smoke).
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
 
     nbs = 64
     per_window = max(1, nbs // micro)
-    engines = {}
+    engines, passes = {}, {}
     for mode, images in MODES.items():
         e = engine_for(model, imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows)
         if images is not None:
             norm.convert(e.raw_model)
-            e.window_statistics = norm.WindowStatistics(e.raw_model, images, amp=e.amp)
+            e.window_statistics = passes[mode] = Timed(norm.WindowStatistics(e.raw_model, images, amp=e.amp))
         graphs = [micro]
         if (
             compiled
@@ -48,20 +50,50 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
             raise SystemExit("bn_window --compile: the model did not compile (the warning above says why)")
         engines[mode] = e
     batches = on_device(make_batches(per_window * windows, micro, imgsz, seed=0))
+    images = len(batches) * micro
     rates = {mode: [] for mode in engines}
+    pass_seconds = {mode: [] for mode in passes}  # per image, each repetition
     for r in range(repeats + 1):  # the first repetition warms up and is not counted
         for mode, e in engines.items():
             e.raw_model.train()
+            if mode in passes:
+                passes[mode].seconds = 0.0
             synchronize()
             start = time.perf_counter()
             e.train_epoch(0, [dict(b) for b in batches])
             synchronize()
             if r:
-                rates[mode].append(len(batches) * micro / (time.perf_counter() - start))
+                rates[mode].append(images / (time.perf_counter() - start))
+                if mode in passes:
+                    pass_seconds[mode].append(passes[mode].seconds / images)
     medians = {mode: statistics.median(v) for mode, v in rates.items()}
     cost = {mode: medians["batch"] / medians[mode] for mode in MODES if mode != "batch"}
+    # the pass's part of each cost, in bn=batch's time per image; the rest of the cost is the micro-steps'
+    pass_part = {mode: statistics.median(v) * medians["batch"] for mode, v in pass_seconds.items()}
     return {"micro_batch": micro, "imgsz": imgsz, "compiled": compiled, "images_per_second": medians, "cost": cost,
-            "repeats": rates}  # fmt: skip
+            "pass_part": pass_part, "repeats": rates}  # fmt: skip
+
+
+class Timed:
+    """A statistics pass that adds up the time it takes (the device synchronised around it)."""
+
+    def __init__(self, run):
+        self.run, self.seconds = run, 0.0
+
+    def __call__(self, batches: list[dict]) -> None:
+        from common import synchronize
+
+        synchronize()
+        start = time.perf_counter()
+        self.run(batches)
+        synchronize()
+        self.seconds += time.perf_counter() - start
+
+
+def split(row: dict, mode: str) -> str:
+    """A mode's cost beyond bn=batch's time per image, in two parts: its statistics pass and its micro-steps."""
+    part = row["pass_part"][mode]
+    return f"pass +{part:.2f}, micro-steps {row['cost'][mode] - 1 - part:+.2f}"
 
 
 def main() -> None:
@@ -82,7 +114,7 @@ def main() -> None:
         rows = [measure(micro, args.imgsz, args.windows, args.repeats, compiled=args.compile) for micro in args.micro]
     for r in rows:
         ips = r["images_per_second"]
-        costs = ", ".join(f"bn={m} {ips[m]:.1f} img/s ({c:.3f}x)" for m, c in r["cost"].items())
+        costs = ", ".join(f"bn={m} {ips[m]:.1f} img/s ({c:.3f}x: {split(r, m)})" for m, c in r["cost"].items())
         print(f"micro-batch {r['micro_batch']}: bn=batch {ips['batch']:.1f} img/s, {costs}", flush=True)
     if args.smoke or not default:  # the report is of the default measurement only
         return
@@ -91,12 +123,13 @@ def main() -> None:
     lines = ["# The cost of bn=window (`python benchmarks/bn_window.py`)", "",
              "yolo26n at 160 px, nbs 64, synthetic batches in memory, Engine.train_epoch over whole windows "
              "(bn=window's statistics pass included); the modes alternate, 5 repetitions each after a warm-up, "
-             "median. The 2-core CPU machine, nothing else running. Cost: time per image against bn=batch.", "",
+             "median. The 2-core CPU machine, nothing else running. Cost: time per image against bn=batch; beyond 1, "
+             "the statistics pass's part and the micro-steps' (their renormalisation), in bn=batch's time.", "",
              "| micro-batch | bn=batch img/s | " + " | ".join(f"bn={m} img/s | cost" for m in others) + " |",
              "| --- | --- | " + " | ".join("--- | ---" for _ in others) + " |"]  # fmt: skip
     for r in rows:
         ips, c = r["images_per_second"], r["cost"]
-        cells = " | ".join(f"{ips[m]:.1f} | {c[m]:.3f}x" for m in others)
+        cells = " | ".join(f"{ips[m]:.1f} | {c[m]:.3f}x ({split(r, m)})" for m in others)
         lines.append(f"| {r['micro_batch']} | {ips['batch']:.1f} | {cells} |")
     (HERE / "bn_window.md").write_text("\n".join(lines) + "\n")
 
