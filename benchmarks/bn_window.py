@@ -10,8 +10,9 @@ On a CUDA machine it runs on cuda:0 with AMP, as the trainer would (docs/batchno
 Each engine trains the same in-memory batches through Engine.train_epoch, whole windows and their steps, bn=window's
 statistics pass included: bn=batch, bn=window (the pass over all the window's images) and bn=window with
 bn_window=16 (the pass over its first 16). Their repetitions alternate, so a slow spell of the machine falls on all,
-and the median of the repetitions is reported. Each bn=window cost is split in two, as parts of bn=batch's time per
-image: the statistics pass (timed on its own) and the rest, the micro-steps' renormalisation. Writes
+and the median of the repetitions is reported. Each bn=window cost beyond 1 is split in two, as parts of bn=batch's
+time per image: the statistics pass, timed on its own, and the rest, by subtraction (the micro-steps' renormalisation
+and whatever else differs, noise included). Writes
 benchmarks/bn_window.{md,json} (not with --smoke).
 """
 
@@ -50,7 +51,7 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
             raise SystemExit("bn_window --compile: the model did not compile (the warning above says why)")
         engines[mode] = e
     batches = on_device(make_batches(per_window * windows, micro, imgsz, seed=0))
-    images = len(batches) * micro
+    num_images = len(batches) * micro
     rates = {mode: [] for mode in engines}
     pass_seconds = {mode: [] for mode in passes}  # per image, each repetition
     for r in range(repeats + 1):  # the first repetition warms up and is not counted
@@ -63,19 +64,20 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
             e.train_epoch(0, [dict(b) for b in batches])
             synchronize()
             if r:
-                rates[mode].append(images / (time.perf_counter() - start))
+                rates[mode].append(num_images / (time.perf_counter() - start))
                 if mode in passes:
-                    pass_seconds[mode].append(passes[mode].seconds / images)
+                    pass_seconds[mode].append(passes[mode].seconds / num_images)
     medians = {mode: statistics.median(v) for mode, v in rates.items()}
     cost = {mode: medians["batch"] / medians[mode] for mode in MODES if mode != "batch"}
-    # the pass's part of each cost, in bn=batch's time per image; the rest of the cost is the micro-steps'
+    # the pass's part of each cost, in bn=batch's time per image; what is left of the cost is the rest's
     pass_part = {mode: statistics.median(v) * medians["batch"] for mode, v in pass_seconds.items()}
     return {"micro_batch": micro, "imgsz": imgsz, "compiled": compiled, "images_per_second": medians, "cost": cost,
             "pass_part": pass_part, "repeats": rates}  # fmt: skip
 
 
 class Timed:
-    """A statistics pass that adds up the time it takes (the device synchronised around it)."""
+    """A statistics pass that adds up the time it takes. The device is synchronised around it, so on a GPU the pass no
+    longer overlaps the micro-steps' queued work: two synchronisations a window, which bn=batch does not pay."""
 
     def __init__(self, run):
         self.run, self.seconds = run, 0.0
@@ -91,9 +93,9 @@ class Timed:
 
 
 def split(row: dict, mode: str) -> str:
-    """A mode's cost beyond bn=batch's time per image, in two parts: its statistics pass and its micro-steps."""
+    """A mode's cost beyond bn=batch's time per image, in two parts: its statistics pass, and the rest."""
     part = row["pass_part"][mode]
-    return f"pass +{part:.2f}, micro-steps {row['cost'][mode] - 1 - part:+.2f}"
+    return f"pass +{part:.2f}, rest {row['cost'][mode] - 1 - part:+.2f}"
 
 
 def main() -> None:
@@ -124,7 +126,8 @@ def main() -> None:
              "yolo26n at 160 px, nbs 64, synthetic batches in memory, Engine.train_epoch over whole windows "
              "(bn=window's statistics pass included); the modes alternate, 5 repetitions each after a warm-up, "
              "median. The 2-core CPU machine, nothing else running. Cost: time per image against bn=batch; beyond 1, "
-             "the statistics pass's part and the micro-steps' (their renormalisation), in bn=batch's time.", "",
+             "the statistics pass's part (timed) and the rest (by subtraction: the micro-steps' renormalisation, noise "
+             "included), in bn=batch's time.", "",
              "| micro-batch | bn=batch img/s | " + " | ".join(f"bn={m} img/s | cost" for m in others) + " |",
              "| --- | --- | " + " | ".join("--- | ---" for _ in others) + " |"]  # fmt: skip
     for r in rows:

@@ -266,7 +266,9 @@ def same_run(runs: dict, name: str, other: str, seed: int) -> bool:
 def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
     """What precise_bn's recompute does to yoloaccum's fine-tuned runs: each run's final EMA with precise statistics
     against the same weights as trained (what precise_bn=0 gives), per configuration and pooled over the distinct
-    runs below BN_AUTO_BELOW images per micro-batch and at or above it; paired by construction."""
+    runs below BN_AUTO_BELOW images per micro-batch and at or above it; paired by construction. The pools leave out
+    bn=frozen and freeze= runs, which keep some or all of the checkpoint's statistics: a recompute is another thing
+    for them (it breaks bn=frozen), and they would swamp what it does to the runs whose every BatchNorm trains."""
     rows, groups, counted = [], {}, set()
     for name in configs:
         have = {s: runs[name][str(s)] for s in seeds if str(s) in runs.get(name, {})}
@@ -275,8 +277,12 @@ def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[
         pairs = [(r["precise"][METRICS[1]], r["raw"][METRICS[1]]) for r in have.values()]
         twins = {r.get("same_run_as") for r in have.values()} - {None}
         rows.append((f"{name} (the runs of {', '.join(sorted(twins))})" if twins else name, pairs))
-        small = CONFIGS[name][1]["batch"] < BN_AUTO_BELOW
-        group = groups.setdefault(f"{'below' if small else 'at or above'} {BN_AUTO_BELOW}, pooled", [])
+        overrides = CONFIGS[name][1]
+        if overrides.get("bn") == "frozen" or "freeze" in overrides:
+            continue
+        small = overrides["batch"] < BN_AUTO_BELOW
+        label = f"{'below' if small else 'at or above'} {BN_AUTO_BELOW}, pooled (every BatchNorm trained)"
+        group = groups.setdefault(label, [])
         for seed, r in have.items():  # a run that two configurations share counts once
             if (run := (r.get("same_run_as") or name, seed)) not in counted:
                 counted.add(run)
