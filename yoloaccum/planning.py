@@ -172,7 +172,7 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
         "bn": bn_mode(cfg.bn, schedule.micro_batch),  # the mode in force: auto resolved
         "bn_reason": bn_auto_reason(schedule.micro_batch, cfg.from_weights) if cfg.bn == "auto" else "as given",
         # images whose BatchNorm statistics are recomputed before each validation: precise_bn, with auto resolved
-        "precise_bn_images": precise_bn_count(cfg.precise_bn, schedule.num_images, cfg.from_weights),
+        "precise_bn_images": precise_bn_count(cfg.precise_bn, schedule.num_images, cfg.from_weights, cfg.bn),
         "remainder": cfg.remainder,
         "warnings": warnings(cfg, schedule),
     }
@@ -182,6 +182,8 @@ def precise_line(cfg: Config, num_images: int) -> str:
     """The plan's row for precise_bn: how many images the recompute passes before each validation, if any."""
     if num_images:
         return f"recomputed over {num_images} training images before each validation (precise_bn={cfg.precise_bn})"
+    if cfg.precise_bn == "auto" and cfg.bn == "frozen":
+        return "none recomputed: bn=frozen keeps the running statistics its weights train against"
     if cfg.precise_bn == "auto" and cfg.from_weights:
         return "none recomputed: validation reads the running statistics (precise_bn=auto from trained weights)"
     return "none recomputed: validation reads the running statistics (precise_bn=0)"

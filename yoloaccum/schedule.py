@@ -249,13 +249,15 @@ def bn_auto_reason(micro_batch: int, from_weights: bool) -> str:
     return f"for {micro_batch} images per device"
 
 
-def precise_bn_count(precise_bn: int | str, num_train: int, from_weights: bool = False) -> int:
+def precise_bn_count(precise_bn: int | str, num_train: int, from_weights: bool = False, bn: str = "auto") -> int:
     """How many training images precise_bn's recompute passes: precise_bn of them (all, if fewer), or with `auto`
     an eighth of the training set within PRECISE_BN_MIN and PRECISE_BN_MAX from scratch, and none for a run from
-    trained weights. On a small set the pass over all its images would be a large part of every epoch, and fewer
-    give the same statistics (benchmarks/precise_bn.md)."""
+    trained weights or with bn=frozen. On a small set the pass over all its images would be a large part of every
+    epoch, and fewer give the same statistics (benchmarks/precise_bn.md)."""
     if precise_bn != "auto":
         return min(int(precise_bn), num_train)
+    if bn == "frozen":  # its weights trained against the running statistics, which a recompute would replace
+        return 0
     if from_weights:
         return min(PRECISE_BN_FROM_WEIGHTS, num_train)
     return min(PRECISE_BN_MAX, max(PRECISE_BN_MIN, num_train // PRECISE_BN_SHARE), num_train)
@@ -264,6 +266,12 @@ def precise_bn_count(precise_bn: int | str, num_train: int, from_weights: bool =
 def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Schedule:
     """The schedule of a run; nc is needed only to pick lr0 when optimizer=auto."""
     check_batch(cfg.batch)
+    if cfg.bn == "frozen" and cfg.precise_bn not in ("auto", 0):
+        raise UserError(
+            f"precise_bn={cfg.precise_bn} would recompute the BatchNorm statistics bn=frozen keeps and its "
+            "weights train against (in the fine-tuning study that broke every such run); remove precise_bn=, or use "
+            "another bn"
+        )
     if num_images < 1:
         raise UserError("the training split has no images; check the dataset's train entry")
     if cfg.batch % world_size:

@@ -70,7 +70,7 @@ class Trainer(Parts):
         self.compiled: compiler.Compiled | None = None  # compile=: compiled at the start of train()
         self.drawing: plots.Background | None = None  # labels.jpg, drawn in the background
         self.precise_bn = epoch_end.PreciseBN(
-            precise_bn_count(self.cfg.precise_bn, len(self.train_set), self.cfg.from_weights)
+            precise_bn_count(self.cfg.precise_bn, len(self.train_set), self.cfg.from_weights, self.cfg.bn)
         )
         self.clock = RunClock(None, 0)  # time= and save_minutes=: started with train()
         self.epoch_end = epoch_end.steps(self)
@@ -200,7 +200,7 @@ class Trainer(Parts):
             self.run.console.print(
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
             )
-        if cfg.precise_bn == "auto" and cfg.from_weights:
+        if cfg.precise_bn == "auto" and cfg.from_weights and cfg.bn != "frozen":
             self.run.console.print(PRECISE_BN_FROM_WEIGHTS_WHY)
 
     def _compile(self) -> None:
