@@ -186,7 +186,9 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
         f"in brackets, with BatchNorm statistics recomputed over {size['precise_images']} training images (frozen "
         "layers keep theirs). "
         "Paired differences over the seeds both have, 95% t interval. Cost: seconds of training and validation per "
-        "training image, one run at a time on the 2-core CPU machine.",
+        "training image, one run at a time on the 2-core CPU machine, the median over a configuration's seeds; the "
+        "machine's speed varies from day to day and seeds of one configuration may come from different days, so "
+        "read the cost ratios as rough (docs/finetuning.md compares runs of one day).",
         "",
         "| run | seeds | mAP50-95 per seed | mean (recomputed) | vs b64: ratio, paired diff [95%] "
         "| vs Ultralytics same batch: ratio, paired diff [95%] | vs defaults same batch: ratio, paired diff [95%] "
