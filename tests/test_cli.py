@@ -4,6 +4,7 @@ Only cfg and plan run here (no training), so each call takes a few seconds at mo
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -198,14 +199,16 @@ def test_plan_says_what_a_run_from_trained_weights_takes_for_batchnorm(run_cli) 
 
 def test_plan_says_bn_frozen_recomputes_nothing_and_refuses_a_precise_bn_count(cli_in_process) -> None:
     """bn=frozen keeps the running statistics its weights train against: no recompute by default, and a count that
-    would replace them is a user error, one line (train builds the same schedule, so it refuses it too)."""
+    would replace them is a user error, one line, from plan and from train before anything is made."""
     summary = json.loads(cli_in_process("plan", "bn=frozen", "batch=4", "images=292", "--json").stdout)["summary"]
     assert summary["precise_bn_images"] == 0
     printed = cli_in_process("plan", "bn=frozen", "batch=4", "images=292").stdout
-    assert "none recomputed: bn=frozen keeps the running" in printed
-    r = cli_in_process("plan", "bn=frozen", "precise_bn=48", "images=292")
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "precise_bn=48 would recompute the BatchNorm statistics bn=frozen keeps" in r.stderr
+    row = re.sub(r"[│\s]+", " ", printed)  # the table's cell, whatever width wrapped it
+    assert "none recomputed: bn=frozen keeps the running statistics its weights train against" in row
+    for command in (("plan", "images=292"), ("train", "data=missing.yaml")):  # train: before it reads the data
+        r = cli_in_process(*command, "bn=frozen", "precise_bn=48")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "precise_bn=48 would recompute the BatchNorm statistics bn=frozen keeps" in r.stderr
 
 
 def test_plan_json_iterations(plan_json: dict) -> None:

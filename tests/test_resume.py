@@ -173,6 +173,21 @@ def test_a_run_saved_before_a_key_existed_resumes_with_how_it_trained(uninterrup
         resume.load(config.resolve(overrides=given), given)
 
 
+def test_a_bn_frozen_run_saved_with_a_precise_bn_count_resumes_without_the_recompute(uninterrupted, tmp_path):
+    """bn=frozen now refuses precise_bn=N; a last.pt saved with both before that resumes, without the recompute (which
+    wrote only the EMA's statistics), rather than meeting a refusal it cannot act on: precise_bn cannot change."""
+    ckpt = checkpoint.load(uninterrupted / "weights/last.pt")
+    saved = {**ckpt["yoloaccum"]["config"], "bn": "frozen", "precise_bn": 8}
+    path = tmp_path / "old/weights/last.pt"
+    checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "config": saved, "bn": "frozen"}}, path)
+    given = {"resume": str(path), "epochs": 6}
+    cfg, _, _ = resume.load(config.resolve(overrides=given), given)
+    assert (cfg.bn, cfg.precise_bn) == ("frozen", 0)
+    schedule.check_precise_bn(cfg)
+    with pytest.raises(UserError, match="precise_bn=8 would recompute"):
+        schedule.check_precise_bn(config.Config(saved))
+
+
 def test_resume_with_more_epochs_continues_a_finished_run(uninterrupted, tmp_path, run_cli):
     run = shutil.copytree(uninterrupted, tmp_path / "longer")
     r = run_cli("train", f"resume={run / 'weights/last.pt'}", "epochs=5", env=SERIAL, timeout=600)

@@ -83,7 +83,12 @@ def load(cfg: Config, given_keys: Iterable[str]) -> tuple[Config, dict[str, Any]
                 f"drop {key}= to resume, or start a new run with pretrained={path}"
             )
     changes = {k: v for k, v in given.items() if k in MAY_CHANGE or k == "epochs"}
-    return Config({**added, **saved}).replace(**{**changes, "resume": str(path)}), ckpt, path
+    resumed = Config({**added, **saved}).replace(**{**changes, "resume": str(path)})
+    if resumed.bn == "frozen" and resumed.precise_bn not in ("auto", 0):
+        # saved before bn=frozen refused a recompute (schedule.check_precise_bn): it goes on without one. The
+        # recompute writes only the EMA's statistics, so training is the same; validation reads what training left.
+        resumed = resumed.replace(precise_bn=0)
+    return resumed, ckpt, path
 
 
 def resumed_schedule(state: dict[str, Any], built: Schedule, nc: int, follow_epochs: bool = True) -> Schedule:

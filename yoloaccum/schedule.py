@@ -266,12 +266,7 @@ def precise_bn_count(precise_bn: int | str, num_train: int, from_weights: bool =
 def build(cfg: Config, num_images: int, world_size: int = 1, nc: int = 80) -> Schedule:
     """The schedule of a run; nc is needed only to pick lr0 when optimizer=auto."""
     check_batch(cfg.batch)
-    if cfg.bn == "frozen" and cfg.precise_bn not in ("auto", 0):
-        raise UserError(
-            f"precise_bn={cfg.precise_bn} would recompute the BatchNorm statistics bn=frozen keeps and its "
-            "weights train against (in the fine-tuning study that broke every such run); remove precise_bn=, or use "
-            "another bn"
-        )
+    check_precise_bn(cfg)
     if num_images < 1:
         raise UserError("the training split has no images; check the dataset's train entry")
     if cfg.batch % world_size:
@@ -324,6 +319,17 @@ def cut_sizes(n: int, parts: int) -> set[int]:
     """The lengths of the non-empty runs even_cuts(n, parts) makes: one length, or two that differ by one."""
     cuts = even_cuts(n, parts)
     return {b - a for a, b in zip(cuts, cuts[1:])} - {0}
+
+
+def check_precise_bn(cfg: Config) -> None:
+    """bn=frozen trains against the running statistics, which a recompute would replace: a count is refused (what
+    precise_bn=auto does with bn=frozen is precise_bn_count's)."""
+    if cfg.bn == "frozen" and cfg.precise_bn not in ("auto", 0):
+        raise UserError(
+            f"precise_bn={cfg.precise_bn} would recompute the BatchNorm statistics bn=frozen keeps and its "
+            "weights train against (in the fine-tuning study that broke every such run); remove precise_bn=, or use "
+            "another bn"
+        )
 
 
 def check_batch(batch: int | float) -> None:

@@ -365,6 +365,7 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
         )
     cfg = cfg.replace(device=distributed.resolve_device(cfg.device))  # empty: the first GPU where there is one
     compiler.check(cfg)
+    schedule_.check_precise_bn(cfg)  # before any folder, model or rank: the schedule checks it again, for plan
     if (folder := distributed.relaunch_on_several_devices(cfg, given)) is not None:  # device=0,1,... outside torchrun
         return result_of_folder(folder)
     if int(os.environ.get("RANK", "0")) == 0:
