@@ -12,8 +12,7 @@ statistics pass included: bn=batch, bn=window (the pass over all the window's im
 bn_window=16 (the pass over its first 16). Their repetitions alternate, so a slow spell of the machine falls on all,
 and the median of the repetitions is reported. Each bn=window cost beyond 1 is split in two, as parts of bn=batch's
 time per image: the statistics pass, timed on its own, and the rest, by subtraction (the micro-steps' renormalisation
-and whatever else differs, noise included). Writes
-benchmarks/bn_window.{md,json} (not with --smoke).
+and whatever else differs, noise included). Writes benchmarks/bn_window.{md,json} (not with --smoke).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def load(cfg: Config, given_keys: Iterable[str]) -> tuple[Config, dict[str, Any]
             )
     changes = {k: v for k, v in given.items() if k in MAY_CHANGE or k == "epochs"}
     resumed = Config({**added, **saved}).replace(**{**changes, "resume": str(path)})
-    if resumed.bn == "frozen" and resumed.precise_bn not in ("auto", 0):
+    if schedule.precise_bn_conflicts(resumed):
         # saved before bn=frozen refused a recompute (schedule.check_precise_bn): it goes on without one. The
         # recompute writes only the EMA's statistics, so training is the same; validation reads what training left.
         resumed = resumed.replace(precise_bn=0)

@@ -321,10 +321,15 @@ def cut_sizes(n: int, parts: int) -> set[int]:
     return {b - a for a, b in zip(cuts, cuts[1:])} - {0}
 
 
+def precise_bn_conflicts(cfg: Config) -> bool:
+    """Whether cfg asks precise_bn to recompute statistics that bn=frozen keeps: its weights train against the running
+    statistics, which a recompute would replace (what precise_bn=auto does with bn=frozen is precise_bn_count's)."""
+    return cfg.bn == "frozen" and cfg.precise_bn not in ("auto", 0)
+
+
 def check_precise_bn(cfg: Config) -> None:
-    """bn=frozen trains against the running statistics, which a recompute would replace: a count is refused (what
-    precise_bn=auto does with bn=frozen is precise_bn_count's)."""
-    if cfg.bn == "frozen" and cfg.precise_bn not in ("auto", 0):
+    """A new run's precise_bn and bn: a count with bn=frozen is refused (a resumed one drops it: resume.load)."""
+    if precise_bn_conflicts(cfg):
         raise UserError(
             f"precise_bn={cfg.precise_bn} would recompute the BatchNorm statistics bn=frozen keeps and its "
             "weights train against (in the fine-tuning study that broke every such run); remove precise_bn=, or use "
