@@ -43,6 +43,8 @@ CONFIGS = {
     "b2-frozen": ("yoloaccum", {"batch": 2, "bn": "frozen"}),
     "b2-freeze": ("yoloaccum", {"batch": 2, "freeze": BACKBONE}),
     "b2-window": ("yoloaccum", {"batch": 2, "bn": "window"}),
+    # bn=window's pass capped at the window's first 16 images: cheaper (benchmarks/bn_window.py), no longer exact
+    "b2-window16": ("yoloaccum", {"batch": 2, "bn": "window", "bn_window": 16}),
     "b4-batch": ("yoloaccum", {"batch": 4, "bn": "batch"}),
     "b4-window": ("yoloaccum", {"batch": 4, "bn": "window"}),
     "b4-frozen": ("yoloaccum", {"batch": 4, "bn": "frozen"}),
@@ -337,7 +339,8 @@ def main() -> None:
         runs = record["runs"]
         seeds = a.seeds or size["seeds"]
         run_size = {k: v for k, v in size.items() if k != "seeds"}
-        run_size["precise_images"] = precise_bn_count("auto", run_size["images"])  # the shipped precise_bn
+        # the "recomputed" column's count: precise_bn=auto's from scratch (from weights it recomputes none)
+        run_size["precise_images"] = precise_bn_count("auto", run_size["images"], from_weights=False, bn="batch")
         if weights is not None:
             run_size["model"] = str(weights)
         for seed in sorted({int(s) for held in runs.values() for s in held} | set(seeds)):

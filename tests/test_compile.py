@@ -125,6 +125,9 @@ def test_compiled_training_through_the_cli(tmp_path: Path, run_cli):
     assert "compile: compiled (default, one graph per batch size) for micro-batches of 8 and 4 in" in r.stdout
     assert r.stderr.count("Recompiling function") == 1, r.stderr[-3000:]
     assert "expected 8, actual 4" in r.stderr
+    said = " ".join(r.stdout.split())
+    assert "BatchNorm: bn=frozen: every layer normalises with its running statistics as loaded, and keeps them" in said
+    assert f"precise_bn=auto recomputes none: {schedule.FROZEN_KEEPS}" in said and "recomputed over" not in said
     steps = (tmp_path / "whole/schedule.csv").read_text().splitlines()
     assert sum(int(line.split(",")[3]) for line in steps[1:]) == 40  # images stepped over: 2 epochs of 20
     assert steps[0].split(",")[3] == "effective_batch"

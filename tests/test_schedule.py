@@ -224,7 +224,9 @@ def test_bn_autos_reason_from_weights_gives_the_studys_word_below_8_only():
 
 
 def test_precise_bn_auto_is_an_eighth_of_the_set_from_scratch_none_from_weights_and_a_count_is_as_given():
-    size = schedule.precise_bn_count
+    def size(precise_bn, n, from_weights=False):
+        return schedule.precise_bn_count(precise_bn, n, from_weights=from_weights, bn="batch")
+
     assert [size("auto", n) for n in (4, 40, 292, 400, 512, 1000, 118_287)] == [4, 40, 48, 50, 64, 125, 256]
     assert size(100, 40) == 40 and size(100, 512) == 100 and size(0, 512) == 0
     # from trained weights auto recomputes nothing (the fine-tuning study); a count is still taken as given
@@ -235,8 +237,8 @@ def test_bn_frozen_recomputes_no_statistics_and_refuses_a_precise_bn_count():
     """bn=frozen's weights train against the running statistics: precise_bn=auto recomputes none, from scratch or
     from weights, and a count, which would replace them, is refused in one line."""
     size = schedule.precise_bn_count
-    assert size("auto", 292, bn="frozen") == 0 and size("auto", 292, from_weights=True, bn="frozen") == 0
-    assert size("auto", 292, bn="batch") == 48 and size("auto", 292, bn="window") == 48
+    assert size("auto", 292, from_weights=False, bn="frozen") == size("auto", 292, from_weights=True, bn="frozen") == 0
+    assert size("auto", 292, from_weights=False, bn="batch") == size("auto", 292, from_weights=False, bn="window") == 48
     assert build(bn="frozen", precise_bn=0).micro_batch == build(bn="frozen").micro_batch == 16
     with pytest.raises(UserError, match=r"^precise_bn=48 would recompute the BatchNorm statistics bn=frozen keeps"):
         build(bn="frozen", precise_bn=48)

@@ -13,7 +13,15 @@ from rich.table import Table
 from yoloaccum import config, devices, schedule
 from yoloaccum.config import Config
 from yoloaccum.errors import UserError
-from yoloaccum.schedule import ADAPTIVE, BN_AUTO_BELOW, Schedule, bn_auto_reason, bn_mode, precise_bn_count
+from yoloaccum.schedule import (
+    ADAPTIVE,
+    BN_AUTO_BELOW,
+    FROZEN_KEEPS,
+    Schedule,
+    bn_auto_reason,
+    bn_mode,
+    precise_bn_count,
+)
 
 if TYPE_CHECKING:
     from yoloaccum import autobatch
@@ -172,7 +180,9 @@ def summary(cfg: Config, schedule: Schedule, choice: autobatch.Choice | None = N
         "bn": bn_mode(cfg.bn, schedule.micro_batch),  # the mode in force: auto resolved
         "bn_reason": bn_auto_reason(schedule.micro_batch, cfg.from_weights) if cfg.bn == "auto" else "as given",
         # images whose BatchNorm statistics are recomputed before each validation: precise_bn, with auto resolved
-        "precise_bn_images": precise_bn_count(cfg.precise_bn, schedule.num_images, cfg.from_weights, cfg.bn),
+        "precise_bn_images": precise_bn_count(
+            cfg.precise_bn, schedule.num_images, from_weights=cfg.from_weights, bn=cfg.bn
+        ),
         "remainder": cfg.remainder,
         "warnings": warnings(cfg, schedule),
     }
@@ -183,7 +193,7 @@ def precise_line(cfg: Config, num_images: int) -> str:
     if num_images:
         return f"recomputed over {num_images} training images before each validation (precise_bn={cfg.precise_bn})"
     if cfg.precise_bn == "auto" and cfg.bn == "frozen":
-        return "none recomputed: bn=frozen keeps the running statistics its weights train against"
+        return f"none recomputed: {FROZEN_KEEPS}"
     if cfg.precise_bn == "auto" and cfg.from_weights:
         return "none recomputed: validation reads the running statistics (precise_bn=auto from trained weights)"
     return "none recomputed: validation reads the running statistics (precise_bn=0)"

@@ -45,6 +45,8 @@ PRECISE_BN_SHARE, PRECISE_BN_MIN, PRECISE_BN_MAX = 8, 48, 256
 # micro-batch since, validated better than the recompute's on one set of the fine-tuning study and barely worse on the
 # other, and the pass costs time before every validation (docs/finetuning.md).
 PRECISE_BN_FROM_WEIGHTS = 0
+# why bn=frozen recomputes no statistics (a recompute broke it in the fine-tuning study: docs/finetuning.md)
+FROZEN_KEEPS = "bn=frozen keeps the running statistics its weights train against"
 PRECISE_BN_FROM_WEIGHTS_WHY = (
     "precise_bn=auto recomputes no BatchNorm statistics for a run from trained weights: validation reads the "
     "running statistics, as Ultralytics'; fine-tuning, the recompute did worse on one set and barely better on the "
@@ -249,14 +251,14 @@ def bn_auto_reason(micro_batch: int, from_weights: bool) -> str:
     return f"for {micro_batch} images per device"
 
 
-def precise_bn_count(precise_bn: int | str, num_train: int, from_weights: bool = False, bn: str = "auto") -> int:
+def precise_bn_count(precise_bn: int | str, num_train: int, *, from_weights: bool, bn: str) -> int:
     """How many training images precise_bn's recompute passes: precise_bn of them (all, if fewer), or with `auto`
     an eighth of the training set within PRECISE_BN_MIN and PRECISE_BN_MAX from scratch, and none for a run from
     trained weights or with bn=frozen. On a small set the pass over all its images would be a large part of every
     epoch, and fewer give the same statistics (benchmarks/precise_bn.md)."""
     if precise_bn != "auto":
         return min(int(precise_bn), num_train)
-    if bn == "frozen":  # its weights trained against the running statistics, which a recompute would replace
+    if bn == "frozen":  # FROZEN_KEEPS
         return 0
     if from_weights:
         return min(PRECISE_BN_FROM_WEIGHTS, num_train)

@@ -40,7 +40,7 @@ from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
-from yoloaccum.schedule import PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
+from yoloaccum.schedule import FROZEN_KEEPS, PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
@@ -70,7 +70,9 @@ class Trainer(Parts):
         self.compiled: compiler.Compiled | None = None  # compile=: compiled at the start of train()
         self.drawing: plots.Background | None = None  # labels.jpg, drawn in the background
         self.precise_bn = epoch_end.PreciseBN(
-            precise_bn_count(self.cfg.precise_bn, len(self.train_set), self.cfg.from_weights, self.cfg.bn)
+            precise_bn_count(
+                self.cfg.precise_bn, len(self.train_set), from_weights=self.cfg.from_weights, bn=self.cfg.bn
+            )
         )
         self.clock = RunClock(None, 0)  # time= and save_minutes=: started with train()
         self.epoch_end = epoch_end.steps(self)
@@ -199,6 +201,12 @@ class Trainer(Parts):
         elif chosen:
             self.run.console.print(
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
+            )
+        elif self.bn == "frozen":
+            self.run.console.print(
+                "BatchNorm: bn=frozen: every layer normalises with its running statistics as loaded, and keeps them "
+                "(its weight and bias still train)"
+                + (f"; precise_bn=auto recomputes none: {FROZEN_KEEPS}" if cfg.precise_bn == "auto" else "")
             )
         if cfg.precise_bn == "auto" and cfg.from_weights and cfg.bn != "frozen":
             self.run.console.print(PRECISE_BN_FROM_WEIGHTS_WHY)
