@@ -17,6 +17,7 @@ time on the same machine.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -153,6 +154,27 @@ def cost_per_image(run: dict, size: dict) -> float:
     return run["seconds"] / (size["images"] * size["epochs"])
 
 
+def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict) -> str:
+    """A configuration's ms per image (the median over its seeds) and its ratio to `other`'s. The machine's speed
+    varies from day to day, so where both have runs of one day the ratio compares those ("same day"), whatever their
+    seeds; else the seeds both have (runs kept before the record stored their day have none)."""
+    mine = [runs[name][str(s)] for s in have]
+    ms = statistics.median(cost_per_image(r, size) for r in mine) * 1000
+    held = runs.get(other, {}) if other != name else {}
+    days = {r.get("day") for r in mine} & {r.get("day") for r in held.values()} - {None}
+    if days:
+        mine = [r for r in mine if r.get("day") in days]
+        theirs = [r for r in held.values() if r.get("day") in days]
+    else:
+        theirs = [held[str(s)] for s in have if str(s) in held]
+    if not theirs:
+        return f"{ms:.0f}"
+    ratio = statistics.median(cost_per_image(r, size) for r in mine) / statistics.median(
+        cost_per_image(r, size) for r in theirs
+    )
+    return f"{ms:.0f} ({ratio:.2f}x{', same day' if days else ''})"
+
+
 def shipped(name: str) -> str:
     """Which of a run's figures its trainer gives a user at its defaults: the final EMA as trained, or with precise
     statistics where precise_bn=auto recomputes them for a run from weights (schedule.PRECISE_BN_FROM_WEIGHTS; it does
@@ -189,8 +211,8 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
         "layers keep theirs). "
         "Paired differences over the seeds both have, 95% t interval. Cost: seconds of training and validation per "
         "training image, one run at a time on the 2-core CPU machine, the median over a configuration's seeds; the "
-        "machine's speed varies from day to day and seeds of one configuration may come from different days, so "
-        "read the cost ratios as rough (docs/finetuning.md compares runs of one day).",
+        "machine's speed varies from day to day, so the ratio compares runs of one day where both have some (\"same "
+        'day"), and is rough where it does not.',
         "",
         "| run | seeds | mAP50-95 per seed | mean (recomputed) | vs b64: ratio, paired diff [95%] "
         "| vs Ultralytics same batch: ratio, paired diff [95%] | vs defaults same batch: ratio, paired diff [95%] "
@@ -216,13 +238,7 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             d = paired(ours, theirs)
             ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
             cells.append(f"{ratio:.2f}, {f(d['mean'])} [{f(d['low'])}, {f(d['high'])}] ({len(both)})")
-        ms = statistics.median(cost_per_image(runs[name][str(s)], size) for s in have) * 1000
-        default = [s for s in have if str(s) in runs.get(f"b{batch}", {})]
-        if default and name != f"b{batch}":
-            theirs = statistics.median(cost_per_image(runs[f"b{batch}"][str(s)], size) for s in default) * 1000
-            ms_cell = f"{ms:.0f} ({ms / theirs:.2f}x)"
-        else:
-            ms_cell = f"{ms:.0f}"
+        ms_cell = cost_cell(runs, name, f"b{batch}", have, size)
         twins = {runs[name][str(s)].get("same_run_as") for s in have} - {None}
         label = f"{name} (the runs of {', '.join(sorted(twins))})" if twins else name
         lines.append(
@@ -353,7 +369,8 @@ def main() -> None:
                 print(f"{name} {config} seed {seed} ...", flush=True)
                 result = fresh("train_and_evaluate", trainer, settings, run_size, seed, str(work / config),
                                module="fidelity")  # fmt: skip
-                runs.setdefault(config, {})[str(seed)] = {**result, "resolved": resolved(config)}
+                day = datetime.date.today().isoformat()  # the report compares times of one day (cost_cell)
+                runs.setdefault(config, {})[str(seed)] = {**result, "resolved": resolved(config), "day": day}
                 print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
                 store.write_text(json.dumps(saved, indent=1) + "\n")
         if json.dumps(saved) != before:  # kept runs moved or paired under today's defaults

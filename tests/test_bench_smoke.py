@@ -1,5 +1,6 @@
 """The benchmark scripts in their reduced form, so they cannot rot: they run and produce numbers (not how fast)."""
 
+import datetime
 import json
 import os
 import re
@@ -95,6 +96,8 @@ def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(t
     assert record["sha256"] == sha and sorted(record["runs"]) == sorted(["b2", twin, "b64", "ultralytics-b2"])
     assert r.stdout.count("shapes b2") == 1 and f"shapes {twin}" not in r.stdout  # one run for the two names
     assert record["runs"][twin]["0"]["same_run_as"] == "b2"
+    day = datetime.date.fromisoformat(record["runs"]["b64"]["0"]["day"])  # the cost compares one day's runs
+    assert datetime.date.today() - day <= datetime.timedelta(days=1)
     table = (tmp_path / "shapes.md").read_text()
     assert "| b2 | 0 |" in table and "| ultralytics-b2 | 0 |" in table
     assert f"| {twin} (the runs of b2) | 0 |" in table

@@ -63,3 +63,22 @@ def test_a_second_change_of_default_overwrites_no_run(study, modes):
     record["runs"]["b2"]["0"] = run("sync", 0.5)  # one more change: set aside beside the first, not over it
     study.move_stale(record, 0)
     assert [r["raw"]["mAP50-95"] for r in record["superseded"]["b2"]["0"]] == [0.1, 0.5]
+
+
+def test_the_cost_ratio_compares_runs_of_one_day_where_both_have_some(study):
+    """The machine's speed varies from day to day: b2's day-2 run is twice as slow as its day-1 runs, and a
+    configuration that ran only on day 2 is compared with that run, not with the median over b2's seeds."""
+    size = {"images": 10, "epochs": 1}  # 10 images: seconds x 100 is ms per image
+
+    def timed(seconds: float, day: str | None = None) -> dict:
+        return {**run("window", 0.1), "seconds": seconds, **({"day": day} if day else {})}
+
+    runs = {
+        "b2": {"0": timed(1.0, "d1"), "1": timed(1.0, "d1"), "2": timed(2.0, "d2")},
+        "b2-batch": {"2": timed(1.6, "d2")},
+        "b2-frozen": {"0": timed(0.5), "1": timed(0.7)},  # kept before runs stored their day
+    }
+    assert study.cost_cell(runs, "b2-batch", "b2", [2], size) == "160 (0.80x, same day)"
+    assert study.cost_cell(runs, "b2-frozen", "b2", [0, 1], size) == "60 (0.60x)"  # seeds 0 and 1 of both
+    assert study.cost_cell(runs, "b2", "b2", [0, 1, 2], size) == "100"
+    assert study.cost_cell(runs, "b2-batch", "b4", [2], size) == "160"  # nothing to compare with
