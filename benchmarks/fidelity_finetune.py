@@ -154,25 +154,33 @@ def cost_per_image(run: dict, size: dict) -> float:
     return run["seconds"] / (size["images"] * size["epochs"])
 
 
-def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict) -> str:
-    """A configuration's ms per image (the median over its seeds) and its ratio to `other`'s. The machine's speed
-    varies from day to day, so where both have runs of one day the ratio compares those ("same day"), whatever their
-    seeds; else the seeds both have (runs kept before the record stored their day have none)."""
+def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict, seeds: list[int]) -> str:
+    """A configuration's ms per image (the median over its seeds `have`) and its ratio to `other`'s (over `seeds`).
+    The machine's speed varies from day to day, so where both have runs of one day the ratio is the median over
+    those days of each day's ratio of medians ("same day"; it may rest on fewer runs than the ms), else that of the
+    seeds both have (runs kept before the record stored their day have none)."""
     mine = [runs[name][str(s)] for s in have]
     ms = statistics.median(cost_per_image(r, size) for r in mine) * 1000
-    held = runs.get(other, {}) if other != name else {}
-    days = {r.get("day") for r in mine} & {r.get("day") for r in held.values()} - {None}
-    if days:
-        mine = [r for r in mine if r.get("day") in days]
-        theirs = [r for r in held.values() if r.get("day") in days]
-    else:
-        theirs = [held[str(s)] for s in have if str(s) in held]
-    if not theirs:
+    theirs = [r for s, r in runs.get(other, {}).items() if int(s) in seeds]
+    if other == name or all(r.get("same_run_as") == other for r in mine):
         return f"{ms:.0f}"
-    ratio = statistics.median(cost_per_image(r, size) for r in mine) / statistics.median(
-        cost_per_image(r, size) for r in theirs
-    )
-    return f"{ms:.0f} ({ratio:.2f}x{', same day' if days else ''})"
+
+    def median_cost(of: list[dict]) -> float:
+        return statistics.median(cost_per_image(r, size) for r in of)
+
+    days = ({r.get("day") for r in mine} & {r.get("day") for r in theirs}) - {None}
+    if days:
+        ratio = statistics.median(
+            median_cost([r for r in mine if r.get("day") == day])
+            / median_cost([r for r in theirs if r.get("day") == day])
+            for day in days
+        )
+        return f"{ms:.0f} ({ratio:.2f}x, same day)"
+    both = [s for s in have if str(s) in runs.get(other, {})]
+    if not both:
+        return f"{ms:.0f}"
+    ratio = median_cost([runs[name][str(s)] for s in both]) / median_cost([runs[other][str(s)] for s in both])
+    return f"{ms:.0f} ({ratio:.2f}x)"
 
 
 def shipped(name: str) -> str:
@@ -238,7 +246,7 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             d = paired(ours, theirs)
             ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
             cells.append(f"{ratio:.2f}, {f(d['mean'])} [{f(d['low'])}, {f(d['high'])}] ({len(both)})")
-        ms_cell = cost_cell(runs, name, f"b{batch}", have, size)
+        ms_cell = cost_cell(runs, name, f"b{batch}", have, size, seeds)
         twins = {runs[name][str(s)].get("same_run_as") for s in have} - {None}
         label = f"{name} (the runs of {', '.join(sorted(twins))})" if twins else name
         lines.append(
@@ -367,9 +375,9 @@ def main() -> None:
                     continue
                 trainer, settings = CONFIGS[config]
                 print(f"{name} {config} seed {seed} ...", flush=True)
+                day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()  # cost_cell compares by day
                 result = fresh("train_and_evaluate", trainer, settings, run_size, seed, str(work / config),
                                module="fidelity")  # fmt: skip
-                day = datetime.date.today().isoformat()  # the report compares times of one day (cost_cell)
                 runs.setdefault(config, {})[str(seed)] = {**result, "resolved": resolved(config), "day": day}
                 print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
                 store.write_text(json.dumps(saved, indent=1) + "\n")

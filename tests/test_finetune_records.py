@@ -66,19 +66,29 @@ def test_a_second_change_of_default_overwrites_no_run(study, modes):
 
 
 def test_the_cost_ratio_compares_runs_of_one_day_where_both_have_some(study):
-    """The machine's speed varies from day to day: b2's day-2 run is twice as slow as its day-1 runs, and a
-    configuration that ran only on day 2 is compared with that run, not with the median over b2's seeds."""
+    """The machine's speed varies from day to day: b2's day-2 run is twice as slow as its day-1 runs. A
+    configuration that ran only on day 2, at a seed b2 lacks, is compared with b2's run of that day; one that ran on
+    both days with each day's ratio; one kept before runs stored their day, with the seeds both have."""
     size = {"images": 10, "epochs": 1}  # 10 images: seconds x 100 is ms per image
 
-    def timed(seconds: float, day: str | None = None) -> dict:
-        return {**run("window", 0.1), "seconds": seconds, **({"day": day} if day else {})}
+    def timed(seconds: float, day: str | None = None, **more) -> dict:
+        return {**run("window", 0.1), "seconds": seconds, **({"day": day} if day else {}), **more}
 
     runs = {
-        "b2": {"0": timed(1.0, "d1"), "1": timed(1.0, "d1"), "2": timed(2.0, "d2")},
-        "b2-batch": {"2": timed(1.6, "d2")},
-        "b2-frozen": {"0": timed(0.5), "1": timed(0.7)},  # kept before runs stored their day
+        "b2": {"0": timed(1.0, "d1"), "1": timed(1.0, "d1"), "2": timed(2.0, "d2"), "3": timed(0.4)},
+        "b2-batch": {"5": timed(1.6, "d2")},
+        "b2-sync": {"0": timed(1.0, "d1"), "1": timed(2.0, "d2"), "2": timed(2.0, "d2")},  # level on each day
+        "b2-frozen": {"0": timed(0.5), "3": timed(0.2)},  # kept before runs stored their day
+        "b2-window": {"0": timed(1.0, "d1", same_run_as="b2")},
     }
-    assert study.cost_cell(runs, "b2-batch", "b2", [2], size) == "160 (0.80x, same day)"
-    assert study.cost_cell(runs, "b2-frozen", "b2", [0, 1], size) == "60 (0.60x)"  # seeds 0 and 1 of both
-    assert study.cost_cell(runs, "b2", "b2", [0, 1, 2], size) == "100"
-    assert study.cost_cell(runs, "b2-batch", "b4", [2], size) == "160"  # nothing to compare with
+    seeds = [0, 1, 2, 3, 5]
+
+    def cell(name: str, have: list[int], other: str = "b2") -> str:
+        return study.cost_cell(runs, name, other, have, size, seeds)
+
+    assert cell("b2-batch", [5]) == "160 (0.80x, same day)"
+    assert cell("b2-sync", [0, 1, 2]) == "200 (1.00x, same day)"  # pooled over both days it would be 2.00x
+    assert cell("b2-frozen", [0, 3]) == "35 (0.50x)"  # seeds 0 and 3 of both
+    assert cell("b2", [0, 1, 2]) == cell("b2-window", [0]) == "100"  # itself, and its twin: no ratio
+    assert cell("b2-batch", [5], other="b4") == "160"  # nothing to compare with
+    assert study.cost_cell(runs, "b2-batch", "b2", [5], size, [0, 1]) == "160"  # b2's day-2 run not in the seeds

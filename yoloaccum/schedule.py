@@ -45,13 +45,13 @@ PRECISE_BN_SHARE, PRECISE_BN_MIN, PRECISE_BN_MAX = 8, 48, 256
 # micro-batch since, validated better than the recompute's on one set of the fine-tuning study and barely worse on the
 # other, and the pass costs time before every validation (docs/finetuning.md).
 PRECISE_BN_FROM_WEIGHTS = 0
-# why bn=frozen recomputes no statistics (a recompute broke it in the fine-tuning study: docs/finetuning.md)
-FROZEN_KEEPS = "bn=frozen keeps the running statistics its weights train against"
 PRECISE_BN_FROM_WEIGHTS_WHY = (
     "precise_bn=auto recomputes no BatchNorm statistics for a run from trained weights: validation reads the "
     "running statistics, as Ultralytics'; fine-tuning, the recompute did worse on one set and barely better on the "
     "other (docs/finetuning.md)"
 )
+# why precise_bn=auto recomputes no statistics with bn=frozen (a recompute broke it in the fine-tuning study)
+FROZEN_KEEPS = "bn=frozen keeps the running statistics its weights train against"
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ def precise_bn_count(precise_bn: int | str, num_train: int, *, from_weights: boo
     epoch, and fewer give the same statistics (benchmarks/precise_bn.md)."""
     if precise_bn != "auto":
         return min(int(precise_bn), num_train)
-    if bn == "frozen":  # FROZEN_KEEPS
+    if bn == "frozen":  # why: FROZEN_KEEPS
         return 0
     if from_weights:
         return min(PRECISE_BN_FROM_WEIGHTS, num_train)

@@ -40,7 +40,7 @@ from yoloaccum.config import Config, dropped_note, resolve
 from yoloaccum.errors import Diverged, UserError
 from yoloaccum.progress import EpochProgress, StepLog
 from yoloaccum.runs import frozen_heap
-from yoloaccum.schedule import FROZEN_KEEPS, PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
+from yoloaccum.schedule import PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
 from yoloaccum.signals import GracefulStop, Interrupted
 from yoloaccum.training_state import TrainingState
 from yoloaccum.validate import METRIC_KEYS, show_metrics
@@ -203,10 +203,13 @@ class Trainer(Parts):
                 f"BatchNorm: {chosen}: each micro-batch normalised with its own statistics, as Ultralytics does"
             )
         elif self.bn == "frozen":
+            start = "as loaded" if cfg.from_weights else "as initialised (mean 0, variance 1)"
+            trained = "its weight and bias train" + (" (outside freeze=)" if self.frozen else "")
+            auto = cfg.precise_bn == "auto"
+            kept = "; precise_bn=auto recomputes none, as its weights train against them" if auto else ""
             self.run.console.print(
-                "BatchNorm: bn=frozen: every layer normalises with its running statistics as loaded, and keeps them "
-                "(its weight and bias still train)"
-                + (f"; precise_bn=auto recomputes none: {FROZEN_KEEPS}" if cfg.precise_bn == "auto" else "")
+                f"BatchNorm: bn=frozen: every BatchNorm layer normalises with its running statistics {start} and "
+                f"keeps them; {trained}{kept}"
             )
         if cfg.precise_bn == "auto" and cfg.from_weights and cfg.bn != "frozen":
             self.run.console.print(PRECISE_BN_FROM_WEIGHTS_WHY)
