@@ -4,15 +4,19 @@
     python benchmarks/bn_window.py --smoke    # a window at 64 px on the tests' tiny model, for the test suite
     python benchmarks/bn_window.py --imgsz 640 --micro 2 8 --windows 1 --repeats 3   # other sizes: printed only
     python benchmarks/bn_window.py --compile  # every model compiled as compile=True compiles it: printed only
+    python benchmarks/bn_window.py --study --imgsz 320 --micro 2 4 --repeats 3   # and the fine-tuning study's other
+                                              # modes, bn=frozen and freeze=11 (docs/finetuning.md): printed only
 
 On a CUDA machine it runs on cuda:0 with AMP, as the trainer would (docs/batchnorm.md has an H200's rows).
 
 Each engine trains the same in-memory batches through Engine.train_epoch, whole windows and their steps, bn=window's
 statistics pass included: bn=batch, bn=window (the pass over all the window's images) and bn=window with
-bn_window=16 (the pass over its first 16). Their repetitions alternate, so a slow spell of the machine falls on all,
-and the median of the repetitions is reported. Each bn=window cost beyond 1 is split in two, as parts of bn=batch's
-time per image: the statistics pass, timed on its own, and the rest, by subtraction (the micro-steps' renormalisation
-and whatever else differs, noise included). Writes benchmarks/bn_window.{md,json} (not with --smoke).
+bn_window=16 (the pass over its first 16); with --study also bn=frozen and bn=batch with freeze=11 (layers 0-10
+without gradients), the fine-tuning study's other configurations. Their repetitions alternate, so a slow spell of
+the machine falls on all, and the median of the repetitions is reported. Each bn=window cost beyond 1 is split in
+two, as parts of bn=batch's time per image: the statistics pass, timed on its own, and the rest, by subtraction (the
+micro-steps' renormalisation and whatever else differs, noise included). Writes benchmarks/bn_window.{md,json} (not
+with --smoke).
 """
 
 from __future__ import annotations
@@ -27,21 +31,32 @@ HERE = Path(__file__).resolve().parent
 MODES = {"batch": None, "window": 0, "window, bn_window=16": 16}  # bn=window: images its pass takes (0: all)
 
 
-def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yolo26n.yaml",
-            compiled: bool = False) -> dict:  # fmt: skip
-    """Images/s of each mode over the same windows; compiled: each model compiled as compile=True compiles it."""
-    from common import DEVICE, engine_for, make_batches, on_device, synchronize
+def study_modes(backbone: int) -> dict[str, dict]:
+    """--study: the fine-tuning study's other ways to train at small micro-batches (fidelity_finetune.CONFIGS)."""
+    return {"frozen": {"bn": "frozen"}, f"batch, freeze={backbone}": {"bn": "batch", "freeze": backbone}}
 
-    from yoloaccum import compiler, norm
+
+def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yolo26n.yaml",
+            compiled: bool = False, study: bool = False, backbone: int | None = None) -> dict:  # fmt: skip
+    """Images/s of each mode over the same windows; compiled: each model compiled as compile=True compiles it;
+    study: study_modes(backbone) too (by default yolo26's, common.BACKBONE)."""
+    from common import BACKBONE, DEVICE, engine_for, make_batches, on_device, synchronize
+
+    from yoloaccum import compiler, freeze, norm
+    from yoloaccum.model import set_bn_mode
 
     nbs = 64
     per_window = max(1, nbs // micro)
-    engines, passes = {}, {}
-    for mode, images in MODES.items():
-        e = engine_for(model, imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows)
-        if images is not None:
+    engines, passes, bn_modes = {}, {}, {}
+    settings = {
+        mode: {"bn": "batch" if images is None else "window", "bn_window": images} for mode, images in MODES.items()
+    }
+    for mode, s in {**settings, **(study_modes(backbone or BACKBONE) if study else {})}.items():
+        e = engine_for(model, imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows, freeze=s.get("freeze"))
+        bn_modes[mode] = s["bn"], freeze.prefixes(s.get("freeze"))  # set after each model.train(), as the trainer
+        if s["bn"] == "window":
             norm.convert(e.raw_model)
-            e.window_statistics = passes[mode] = Timed(norm.WindowStatistics(e.raw_model, images, amp=e.amp))
+            e.window_statistics = passes[mode] = Timed(norm.WindowStatistics(e.raw_model, s["bn_window"], amp=e.amp))
         graphs = [micro]
         if (
             compiled
@@ -56,6 +71,7 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
     for r in range(repeats + 1):  # the first repetition warms up and is not counted
         for mode, e in engines.items():
             e.raw_model.train()
+            set_bn_mode(e.raw_model, *bn_modes[mode])
             if mode in passes:
                 passes[mode].seconds = 0.0
             synchronize()
@@ -67,7 +83,7 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
                 if mode in passes:
                     pass_seconds[mode].append(passes[mode].seconds / num_images)
     medians = {mode: statistics.median(v) for mode, v in rates.items()}
-    cost = {mode: medians["batch"] / medians[mode] for mode in MODES if mode != "batch"}
+    cost = {mode: medians["batch"] / medians[mode] for mode in engines if mode != "batch"}
     # the pass's part of each cost, in bn=batch's time per image; what is left of the cost is the rest's
     pass_part = {mode: statistics.median(v) * medians["batch"] for mode, v in pass_seconds.items()}
     return {"micro_batch": micro, "imgsz": imgsz, "compiled": compiled, "images_per_second": medians, "cost": cost,
@@ -92,8 +108,10 @@ class Timed:
 
 
 def split(row: dict, mode: str) -> str:
-    """A mode's cost beyond bn=batch's time per image, in two parts: its statistics pass, and the rest."""
-    part = row["pass_part"][mode]
+    """A bn=window mode's cost beyond bn=batch's time per image, in two parts: its statistics pass, and the rest."""
+    part = row["pass_part"].get(mode)
+    if part is None:  # no statistics pass: nothing to split
+        return "no pass"
     return f"pass +{part:.2f}, rest {row['cost'][mode] - 1 - part:+.2f}"
 
 
@@ -105,14 +123,20 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=1, help="windows of nbs 64 images per repetition")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="compile each model as compile=True does (printed only)")
+    p.add_argument("--study", action="store_true", help="bn=frozen and freeze=11 too (printed only)")
     args = p.parse_args()
-    default = all(getattr(args, k) == p.get_default(k) for k in ("imgsz", "micro", "windows", "repeats", "compile"))
+    measured = ("imgsz", "micro", "windows", "repeats", "compile", "study")
+    default = all(getattr(args, k) == p.get_default(k) for k in measured)
     if args.smoke:
         from common import TINY_MODEL
 
-        rows = [measure(8, 64, windows=1, repeats=1, model=TINY_MODEL)]  # one window of each mode: it runs
+        # a window of each mode, that it runs; the tiny model has 5 layers, so --study's freeze= takes 2
+        rows = [measure(8, 64, windows=1, repeats=1, model=TINY_MODEL, study=True, backbone=2)]
     else:
-        rows = [measure(micro, args.imgsz, args.windows, args.repeats, compiled=args.compile) for micro in args.micro]
+        rows = [
+            measure(micro, args.imgsz, args.windows, args.repeats, compiled=args.compile, study=args.study)
+            for micro in args.micro
+        ]
     for r in rows:
         ips = r["images_per_second"]
         costs = ", ".join(f"bn={m} {ips[m]:.1f} img/s ({c:.3f}x: {split(r, m)})" for m, c in r["cost"].items())

@@ -12,6 +12,7 @@ import yaml
 
 import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
 from yoloaccum import config, distributed, runs, schedule
+from yoloaccum import freeze as freeze_
 from yoloaccum.batches import build_loader, loader_workers, model_input
 from yoloaccum.engine import Engine
 from yoloaccum.loss import WindowLoss
@@ -21,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES_YAML = "datasets/shapes.yaml"
 # The tests' cut-down YOLO26, which trains and compiles in seconds: every benchmark's --smoke model
 TINY_MODEL = str(REPO / "tests/models/tiny26.yaml")
+BACKBONE = 11  # yolo26's backbone is layers 0-10: freeze=11 trains the neck and head on its features
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 CTX = distributed.Context(0, 0, 1, DEVICE)
@@ -89,9 +91,10 @@ def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]
 
 
 def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, epochs: int = 1,
-               grad_checkpointing: bool = False) -> Engine:  # fmt: skip
-    """yoloaccum's engine around a fresh model as the trainer sets it up (channels-last, AMP on CUDA, an EMA, and
-    grad_checkpointing), with a schedule of num_batches micro-batches an epoch and no warmup."""
+               grad_checkpointing: bool = False, freeze: int | None = None) -> Engine:  # fmt: skip
+    """yoloaccum's engine around a fresh model as the trainer sets it up (channels-last, AMP on CUDA, an EMA,
+    grad_checkpointing, and freeze='s layers without gradients), with a schedule of num_batches micro-batches an
+    epoch and no warmup. Whoever calls model.train() sets BatchNorm's mode after it (model.set_bn_mode)."""
     from ultralytics.nn.tasks import DetectionModel
     from ultralytics.utils.torch_utils import ModelEMA
 
@@ -105,6 +108,7 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     raw = DetectionModel(model, nc=4, verbose=False).to(DEVICE, memory_format=torch.channels_last)
     raw.args = ultralytics_args(cfg)
     raw.train()
+    freeze_.apply(raw, freeze)
     ema = ModelEMA(raw)
     if grad_checkpointing:
         checkpoint_blocks(raw)

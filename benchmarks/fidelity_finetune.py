@@ -27,12 +27,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench import fresh  # noqa: E402
-from common import TINY_MODEL  # noqa: E402
+from common import BACKBONE, TINY_MODEL  # noqa: E402
 from fidelity import METRICS, SHARED_SETS, paired  # noqa: E402
 
 from yoloaccum.schedule import BN_AUTO_BELOW, PRECISE_BN_FROM_WEIGHTS, bn_mode, precise_bn_count  # noqa: E402
 
-BACKBONE = 11  # yolo26's backbone is layers 0-10: freeze=11 trains the neck and head on its features
 # name: (trainer, settings beyond the recipe); the order is the order a seed's runs are made in, most telling first
 CONFIGS = {
     "b64": ("yoloaccum", {"batch": 64}),

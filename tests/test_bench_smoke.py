@@ -72,6 +72,7 @@ def test_small_benchmarks_run(script, expect, tmp_path):
     if script == "bn_window.py":  # both bn=window modes timed their statistics pass
         parts = [float(x) for x in re.findall(r"pass \+(\d+\.\d+)", r.stdout)]
         assert len(parts) == 2 and min(parts) > 0, r.stdout
+        assert re.search(r"bn=frozen [\d.]+ img/s .*bn=batch, freeze=2 [\d.]+ img/s", r.stdout), r.stdout  # --study's
 
 
 def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path):
