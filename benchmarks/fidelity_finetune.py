@@ -157,12 +157,13 @@ def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict, se
     """A configuration's ms per image (the median over its seeds `have`) and its ratio to `other`'s (over `seeds`).
     The machine's speed varies from day to day, so where both have runs of one day the ratio is the median over
     those days of each day's ratio of medians ("same day"; it may rest on fewer runs than the ms), else that of the
-    seeds both have (runs kept before the record stored their day have none)."""
+    seeds both have (runs kept before the record stored their day have none). No ratio to itself or its twin."""
     mine = [runs[name][str(s)] for s in have]
     ms = statistics.median(cost_per_image(r, size) for r in mine) * 1000
-    theirs = [r for s, r in runs.get(other, {}).items() if int(s) in seeds]
-    if other == name or all(r.get("same_run_as") == other for r in mine):
+    held = runs.get(other, {})
+    if other == name or all(str(s) in held and same_run(runs, name, other, s) for s in have):
         return f"{ms:.0f}"
+    theirs = [r for s, r in held.items() if int(s) in seeds]
 
     def median_cost(of: list[dict]) -> float:
         return statistics.median(cost_per_image(r, size) for r in of)
@@ -175,7 +176,7 @@ def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict, se
             for day in days
         )
         return f"{ms:.0f} ({ratio:.2f}x, same day)"
-    both = [s for s in have if str(s) in runs.get(other, {})]
+    both = [s for s in have if str(s) in held]
     if not both:
         return f"{ms:.0f}"
     ratio = median_cost([runs[name][str(s)] for s in both]) / median_cost([runs[other][str(s)] for s in both])

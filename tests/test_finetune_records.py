@@ -75,11 +75,16 @@ def test_the_cost_ratio_compares_runs_of_one_day_where_both_have_some(study):
         return {**run("window", 0.1), "seconds": seconds, **({"day": day} if day else {}), **more}
 
     runs = {
-        "b2": {"0": timed(1.0, "d1"), "1": timed(1.0, "d1"), "2": timed(2.0, "d2"), "3": timed(0.4)},
+        "b2": {
+            "0": timed(1.0, "d1"),
+            "1": timed(1.0, "d1", same_run_as="b2-window"),
+            "2": timed(2.0, "d2"),
+            "3": timed(0.4),
+        },
         "b2-batch": {"5": timed(1.6, "d2")},
         "b2-sync": {"0": timed(1.0, "d1"), "1": timed(2.0, "d2"), "2": timed(2.0, "d2")},  # level on each day
         "b2-frozen": {"0": timed(0.5), "3": timed(0.2)},  # kept before runs stored their day
-        "b2-window": {"0": timed(1.0, "d1", same_run_as="b2")},
+        "b2-window": {"0": timed(1.0, "d1", same_run_as="b2"), "1": timed(1.0, "d1")},  # b2's seed 1 points here
     }
     seeds = [0, 1, 2, 3, 5]
 
@@ -89,6 +94,6 @@ def test_the_cost_ratio_compares_runs_of_one_day_where_both_have_some(study):
     assert cell("b2-batch", [5]) == "160 (0.80x, same day)"
     assert cell("b2-sync", [0, 1, 2]) == "200 (1.00x, same day)"  # pooled over both days it would be 2.00x
     assert cell("b2-frozen", [0, 3]) == "35 (0.50x)"  # seeds 0 and 3 of both
-    assert cell("b2", [0, 1, 2]) == cell("b2-window", [0]) == "100"  # itself, and its twin: no ratio
+    assert cell("b2", [0, 1, 2]) == cell("b2-window", [0, 1]) == "100"  # itself, and its twin either way: no ratio
     assert cell("b2-batch", [5], other="b4") == "160"  # nothing to compare with
     assert study.cost_cell(runs, "b2-batch", "b2", [5], size, [0, 1]) == "160"  # b2's day-2 run not in the seeds
