@@ -11,7 +11,7 @@ On a CUDA machine it runs on cuda:0 with AMP, as the trainer would (docs/batchno
 
 Each engine trains the same in-memory batches through Engine.train_epoch, whole windows and their steps, bn=window's
 statistics pass included: bn=batch, bn=window (the pass over all the window's images) and bn=window with
-bn_window=16 (the pass over its first 16); with --study also bn=frozen and bn=batch with freeze=11 (layers 0-10
+bn_window=16 (the pass over its first 16); with --study also bn=frozen and bn=window with freeze=11 (layers 0-10
 without gradients), the fine-tuning study's other configurations. Their repetitions alternate, so a slow spell of
 the machine falls on all, and the median of the repetitions is reported. Each bn=window cost beyond 1 is split in
 two, as parts of bn=batch's time per image: the statistics pass, timed on its own, and the rest, by subtraction (the
@@ -32,8 +32,12 @@ MODES = {"batch": None, "window": 0, "window, bn_window=16": 16}  # bn=window: i
 
 
 def study_modes(backbone: int) -> dict[str, dict]:
-    """--study: the fine-tuning study's other ways to train at small micro-batches (fidelity_finetune.CONFIGS)."""
-    return {"frozen": {"bn": "frozen"}, f"batch, freeze={backbone}": {"bn": "batch", "freeze": backbone}}
+    """--study: the fine-tuning study's other configurations below 8 (fidelity_finetune.CONFIGS): bn=frozen, and the
+    backbone frozen at the defaults, which take bn=window there."""
+    return {
+        "frozen": {"bn": "frozen"},
+        f"window, freeze={backbone}": {"bn": "window", "bn_window": 0, "freeze": backbone},
+    }
 
 
 def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yolo26n.yaml",
@@ -53,9 +57,11 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
     }
     for mode, s in {**settings, **(study_modes(backbone or BACKBONE) if study else {})}.items():
         e = engine_for(model, imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows, freeze=s.get("freeze"))
-        bn_modes[mode] = s["bn"], freeze.prefixes(s.get("freeze"))  # set after each model.train(), as the trainer
+        frozen = freeze.prefixes(s.get("freeze"))
+        bn_modes[mode] = s["bn"], frozen  # set after each model.train(), as the trainer does
+        set_bn_mode(e.raw_model, *bn_modes[mode])  # before compiling: the mode is part of the graph
         if s["bn"] == "window":
-            norm.convert(e.raw_model)
+            norm.convert(e.raw_model, frozen)
             e.window_statistics = passes[mode] = Timed(norm.WindowStatistics(e.raw_model, s["bn_window"], amp=e.amp))
         graphs = [micro]
         if (

@@ -108,8 +108,10 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     raw = DetectionModel(model, nc=4, verbose=False).to(DEVICE, memory_format=torch.channels_last)
     raw.args = ultralytics_args(cfg)
     raw.train()
-    freeze_.apply(raw, freeze)
+    frozen = freeze_.apply(raw, freeze)
     ema = ModelEMA(raw)
+    if frozen:
+        freeze_.keep_in_ema(ema, raw, frozen)
     if grad_checkpointing:
         checkpoint_blocks(raw)
     return Engine.build(raw, WindowLoss(raw, "window"), s, CTX, amp=AMP, ema=ema)
