@@ -28,7 +28,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = {"batch": None, "window": 0, "window, bn_window=16": 16}  # bn=window: images its pass takes (0: all)
+# name: the settings each engine trains with (bn_window: the images bn=window's pass takes, 0 all of them)
+MODES = {
+    "batch": {"bn": "batch"},
+    "window": {"bn": "window", "bn_window": 0},
+    "window, bn_window=16": {"bn": "window", "bn_window": 16},
+}
 
 
 def study_modes(backbone: int) -> dict[str, dict]:
@@ -52,10 +57,7 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
     nbs = 64
     per_window = max(1, nbs // micro)
     engines, passes, bn_modes = {}, {}, {}
-    settings = {
-        mode: {"bn": "batch" if images is None else "window", "bn_window": images} for mode, images in MODES.items()
-    }
-    for mode, s in {**settings, **(study_modes(backbone or BACKBONE) if study else {})}.items():
+    for mode, s in {**MODES, **(study_modes(backbone or BACKBONE) if study else {})}.items():
         e = engine_for(model, imgsz, batch=micro, nbs=nbs, num_batches=per_window * windows, freeze=s.get("freeze"))
         frozen = freeze.prefixes(s.get("freeze"))
         bn_modes[mode] = s["bn"], frozen  # set after each model.train(), as the trainer does
