@@ -257,31 +257,35 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
     return "\n".join(lines + modes_pooled(runs, seeds) + precise_bn_effect(runs, configs, seeds)) + "\n"
 
 
+# the BatchNorm policy's questions: each mode against bn=batch, and bn=frozen, the cheap one, against bn=window
+POOLED = (("window", "batch"), ("frozen", "batch"), ("frozen", "window"))
+
+
 def modes_pooled(runs: dict, seeds: list[int]) -> list[str]:
-    """Each BatchNorm mode against bn=batch, paired by seed and micro-batch, pooled over the micro-batches below
+    """Each pair of BatchNorm modes in POOLED, paired by seed and micro-batch, pooled over the micro-batches below
     BN_AUTO_BELOW that both have: the BatchNorm policy's question, on more pairs than one micro-batch gives."""
     out = [
         "",
-        "## Each BatchNorm mode against bn=batch, pooled over micro-batches",
+        "## BatchNorm modes against each other, pooled over micro-batches",
         "",
         "Paired by seed and micro-batch, as each trainer ships it; 95% t interval.",
         "",
-        "| mode | micro-batches | pairs | mode − bn=batch [95%] |",
+        "| modes | micro-batches | pairs | difference [95%] |",
         "| --- | --- | --- | --- |",
     ]
-    for mode in ("window", "frozen"):
+    for mode, other in POOLED:
         ours, theirs, batches = [], [], []
         for micro in range(1, BN_AUTO_BELOW):
-            name, batch = f"b{micro}-{mode}", f"b{micro}-batch"
-            both = [str(s) for s in seeds if str(s) in runs.get(name, {}) and str(s) in runs.get(batch, {})]
-            if name in CONFIGS and both:
+            name, against = f"b{micro}-{mode}", f"b{micro}-{other}"
+            both = [str(s) for s in seeds if str(s) in runs.get(name, {}) and str(s) in runs.get(against, {})]
+            if name in CONFIGS and against in CONFIGS and both:
                 batches.append(str(micro))
                 ours += [runs[name][s][shipped(name)][METRICS[1]] for s in both]
-                theirs += [runs[batch][s][shipped(batch)][METRICS[1]] for s in both]
+                theirs += [runs[against][s][shipped(against)][METRICS[1]] for s in both]
         if ours:
             d = paired(ours, theirs)
             interval = "" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
-            out.append(f"| bn={mode} | {', '.join(batches)} | {len(ours)} | {d['mean']:+.3f}{interval} |")
+            out.append(f"| bn={mode} − bn={other} | {', '.join(batches)} | {len(ours)} | {d['mean']:+.3f}{interval} |")
     return out
 
 

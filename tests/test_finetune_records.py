@@ -97,3 +97,25 @@ def test_the_cost_ratio_compares_runs_of_one_day_where_both_have_some(study):
     assert cell("b2", [0, 1, 2]) == cell("b2-window", [0, 1]) == "100"  # itself, and its twin either way: no ratio
     assert cell("b2-batch", [5], other="b4") == "160"  # nothing to compare with
     assert study.cost_cell(runs, "b2-batch", "b2", [5], size, [0, 1]) == "160"  # b2's day-2 run not in the seeds
+
+
+def test_modes_pool_over_micro_batches_by_seed_and_the_cheap_mode_meets_the_default(study):
+    """The pooled table pairs each mode with another by seed and micro-batch: bn=frozen against bn=window too, the
+    question of whether the cheaper mode is as good as the default. Seeds one of the pair lacks are left out."""
+
+    def shipped(*values: float) -> dict:
+        return {str(s): {"raw": {study.METRICS[1]: v}, "precise": {study.METRICS[1]: v}} for s, v in enumerate(values)}
+
+    runs = {
+        "b2-window": shipped(0.50, 0.52, 0.54),
+        "b2-frozen": shipped(0.49, 0.50, 0.51, 0.90),  # seed 3: no bn=window run to pair it with
+        "b2-batch": shipped(0.40, 0.40, 0.40),
+        "b4-window": shipped(0.60, 0.60),
+        "b4-frozen": shipped(0.58, 0.57),
+    }
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in study.modes_pooled(runs, [0, 1, 2, 3])[7:]}
+    assert list(rows) == ["bn=window − bn=batch", "bn=frozen − bn=batch", "bn=frozen − bn=window"]
+    assert rows["bn=window − bn=batch"][:2] == ["2", "3"]  # b4 has no bn=batch run
+    micro, pairs, diff = rows["bn=frozen − bn=window"]
+    assert (micro, pairs) == ("2, 4", "5")
+    assert diff.startswith("-0.022 [")  # (-0.01 - 0.02 - 0.03 - 0.02 - 0.03) / 5
