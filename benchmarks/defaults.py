@@ -19,6 +19,10 @@ Sets:
   close_mosaic 5); about 12 minutes a repeat, so 1 repeat unless --long-repeats;
 - bccd: ../shared/datasets/bccd.yaml (292 photographs, JPEGs decoded by the loader) at 256 px, the accuracy
   benchmark's size, 3 epochs; skipped when absent.
+- finetune-b2, finetune-b4 (only when asked for: `--sets finetune-b2 finetune-b4`): the fine-tuning study's cost of
+  `yolo train` against yoloaccum's defaults, side by side. BCCD at 256 px from make pretrain's checkpoint at
+  micro-batch 2 and 4, 3 epochs with the study's warmup (1 epoch, so the timed epochs accumulate to 64) and mosaic on
+  throughout (as in 15 of the study's 20 epochs); skipped when BCCD or the checkpoint is absent (`make pretrain`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ from fidelity import BCCD, BCCD_YAML  # noqa: E402
 
 BASE = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64}
 MAKE_TRAIN = {"epochs": 35, "workers": 2, "warmup_epochs": 1, "close_mosaic": 5}  # as the Makefile's train target
+FINETUNE = {"imgsz": BCCD["imgsz"], "nbs": 64, "epochs": 3, "warmup_epochs": 1, "close_mosaic": 0}
+SETS = ["short", "make-train", "bccd"]  # make bench's; the fine-tuning sets are asked for by name
+FINETUNE_SETS = {"finetune-b2": 2, "finetune-b4": 4}
 SMOKE = {"model": TINY_MODEL, "imgsz": 64, "batch": 4, "nbs": 8, "epochs": 1}
 
 
@@ -58,6 +65,16 @@ def sets(names: list[str], smoke: bool) -> dict[str, tuple[Path, dict, int]]:
             out["bccd"] = (absolute_yaml(BCCD_YAML), {**BASE, "imgsz": BCCD["imgsz"], "epochs": 3}, 1)
         else:
             print(f"{BCCD_YAML} is absent: the BCCD row is skipped")
+    asked = [name for name in FINETUNE_SETS if name in names]
+    if asked:
+        import pretrain
+
+        if not BCCD_YAML.exists() or pretrain.record() is None:
+            print(f"{BCCD_YAML} or make pretrain's checkpoint is absent: the fine-tuning rows are skipped")
+            return out
+        model = str(pretrain.home() / f"{pretrain.NAME}.pt")
+        for name in asked:
+            out[name] = (absolute_yaml(BCCD_YAML), {**FINETUNE, "model": model, "batch": FINETUNE_SETS[name]}, 1)
     return out
 
 
@@ -115,8 +132,7 @@ def rows(results: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sets", nargs="+", choices=["short", "make-train", "bccd"],
-                        default=["short", "make-train", "bccd"])  # fmt: skip
+    parser.add_argument("--sets", nargs="+", choices=[*SETS, *FINETUNE_SETS], default=SETS)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the short sets (default 3)")
     parser.add_argument("--long-repeats", type=int, default=1, help="repeats of make train's recipe (default 1)")
     parser.add_argument("--smoke", action="store_true")
