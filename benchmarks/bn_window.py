@@ -41,7 +41,7 @@ def study_modes(backbone: int) -> dict[str, dict]:
     backbone frozen at the defaults, which take bn=window there."""
     return {
         "frozen": {"bn": "frozen"},
-        f"window, freeze={backbone}": {"bn": "window", "bn_window": 0, "freeze": backbone},
+        f"window, freeze={backbone}": {**MODES["window"], "freeze": backbone},
     }
 
 

@@ -39,11 +39,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import pretrain  # noqa: E402
 from common import REPO, TINY_MODEL, absolute_yaml, shapes_data  # noqa: E402
 from fidelity import BCCD, BCCD_YAML  # noqa: E402
-from pretrain import NAME as PRETRAINED  # noqa: E402
-from pretrain import home as pretrained_home  # noqa: E402
-from pretrain import record as pretrained_record  # noqa: E402
 
 BASE = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64}
 MAKE_TRAIN = {"epochs": 35, "workers": 2, "warmup_epochs": 1, "close_mosaic": 5}  # as the Makefile's train target
@@ -70,10 +68,10 @@ def sets(names: list[str], smoke: bool) -> dict[str, tuple[Path, dict, int]]:
             print(f"{BCCD_YAML} is absent: the BCCD row is skipped")
     asked = [name for name in FINETUNE_SETS if name in names]
     if asked:
-        if not BCCD_YAML.exists() or pretrained_record() is None:
+        if not BCCD_YAML.exists() or pretrain.record() is None:
             print(f"{BCCD_YAML} or make pretrain's checkpoint is absent: the fine-tuning rows are skipped")
             return out
-        model = str(pretrained_home() / f"{PRETRAINED}.pt")
+        model = str(pretrain.home() / f"{pretrain.NAME}.pt")
         for name in asked:
             out[name] = (absolute_yaml(BCCD_YAML), {**FINETUNE, "model": model, "batch": FINETUNE_SETS[name]}, 1)
     return out
