@@ -118,9 +118,9 @@ def accumulation_overhead(model: str, imgsz: int, micro: int, pairs: int) -> dic
 def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
     """(e) Images/s of the training loader alone: augmentation on, workers and cache as in training, nothing
     consuming."""
-    from yoloaccum import config
-    from yoloaccum import data as data_
-    from yoloaccum.batches import build_loader
+    from yoloaccum.config import settings as config
+    from yoloaccum.data import datasets as data_
+    from yoloaccum.data.batches import build_loader
 
     cfg = config.resolve(overrides=dict(data=data, imgsz=imgsz, batch=micro, workers=TRAIN_ARGS["workers"],
                                         cache=TRAIN_ARGS["cache"], close_mosaic=0))  # fmt: skip

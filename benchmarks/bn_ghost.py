@@ -36,7 +36,7 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 VARIANTS = ("batch", "ghost", "brn", "const", "pooled")
-R_MAX, D_MAX = 3.0, 5.0  # as yoloaccum/norm.py
+R_MAX, D_MAX = 3.0, 5.0  # as yoloaccum/batchnorm/window.py
 
 
 class GhostBN2d(nn.BatchNorm2d):
@@ -109,7 +109,7 @@ def train_and_evaluate(variant: str, group: int, seed: int, folder: str) -> dict
     """In a fresh process (fidelity's): the shapes recipe at batch 64 with every BatchNorm2d a GhostBN2d."""
     import fidelity
 
-    from yoloaccum import model as model_
+    from yoloaccum.model import build as model_
 
     GhostBN2d.variant, GhostBN2d.group = variant, group
     build = model_.build

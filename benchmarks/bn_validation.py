@@ -40,7 +40,7 @@ KEYS = {"P": "metrics/precision(B)", "R": "metrics/recall(B)", "mAP50": "metrics
 def batch_statistics(model):
     """Every BatchNorm layer normalising with its input batch's statistics even in eval mode, its running statistics
     untouched (momentum 0). Returns a function that undoes it."""
-    from yoloaccum import precise_bn
+    from yoloaccum.batchnorm import precise as precise_bn
 
     def train_mode(layer, inputs):
         layer.training = True
@@ -62,9 +62,12 @@ def batch_statistics(model):
 def validate_variants(weights: Path, data: Path, variants=VARIANTS) -> dict:
     import torch
 
-    from yoloaccum import checkpoint, config, distributed, precise_bn
-    from yoloaccum import data as data_
-    from yoloaccum.validate import Evaluator
+    from yoloaccum.batchnorm import precise as precise_bn
+    from yoloaccum.config import settings as config
+    from yoloaccum.data import datasets as data_
+    from yoloaccum.distributed import ddp as distributed
+    from yoloaccum.evaluation.validate import Evaluator
+    from yoloaccum.model import checkpoint
 
     imgsz = FULL["imgsz"]
     cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "workers": 0})
@@ -111,7 +114,7 @@ def table(rows: dict) -> str:
 def main() -> None:
     import argparse
 
-    from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
+    from common import shapes_data  # imports yoloaccum.config.ultra first: ultralytics offline before it is imported
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("weights", nargs="+", type=Path, help="checkpoints: <folder>/<run>/weights/last.pt")

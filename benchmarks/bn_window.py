@@ -51,8 +51,9 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
     study: study_modes(backbone) too (by default yolo26's, common.BACKBONE)."""
     from common import BACKBONE, DEVICE, engine_for, make_batches, on_device, synchronize
 
-    from yoloaccum import compiler, freeze, norm
-    from yoloaccum.model import set_bn_mode
+    from yoloaccum.batchnorm import window as norm
+    from yoloaccum.model import compiler, freeze
+    from yoloaccum.model.build import set_bn_mode
 
     nbs = 64
     per_window = max(1, nbs // micro)

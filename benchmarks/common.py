@@ -10,13 +10,17 @@ from pathlib import Path
 import torch
 import yaml
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config, distributed, runs, schedule
-from yoloaccum import freeze as freeze_
-from yoloaccum.batches import build_loader, loader_workers, model_input
-from yoloaccum.engine import Engine
-from yoloaccum.loss import WindowLoss
-from yoloaccum.ultra import ultralytics_args
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
+from yoloaccum.config import settings as config
+from yoloaccum.config.ultra import ultralytics_args
+from yoloaccum.core import schedule
+from yoloaccum.core.engine import Engine
+from yoloaccum.core.loss import WindowLoss
+from yoloaccum.core.micro_batch import model_input
+from yoloaccum.data.batches import build_loader, loader_workers
+from yoloaccum.distributed import ddp as distributed
+from yoloaccum.model import freeze as freeze_
+from yoloaccum.process import memory, rng
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES_YAML = "datasets/shapes.yaml"
@@ -38,7 +42,7 @@ TRAIN_ARGS = dict(batch=8, nbs=64, workers=2, cache="ram", close_mosaic=0, warmu
 def shapes_data(folder: str | None, smoke: bool, counts: dict | None = None) -> Path:
     """The shapes set as an absolute-path YAML (Ultralytics resolves relative paths elsewhere); small for --smoke,
     or made with the given generator counts."""
-    from yoloaccum import shapes
+    from yoloaccum.data import shapes
 
     root = Path(folder) / "shapes" if folder else REPO / "datasets/shapes"
     recipe = yaml.safe_load((REPO / SHAPES_YAML).read_text())["yoloaccum_generate"]
@@ -79,7 +83,7 @@ def make_batches(n: int, micro: int, imgsz: int, seed: int = 0) -> list[dict]:
 def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]:
     """The first n micro-batches of the training loader (mosaic and all augmentation, the trainers' cache setting,
     which also decides where mosaic draws its other images from), held in memory."""
-    from yoloaccum import data as data_
+    from yoloaccum.data import datasets as data_
 
     cfg = config.resolve(overrides=dict(data=str(data), imgsz=imgsz, batch=micro, workers=0, close_mosaic=0,
                                         cache=TRAIN_ARGS["cache"]))  # fmt: skip
@@ -98,9 +102,9 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     from ultralytics.nn.tasks import DetectionModel
     from ultralytics.utils.torch_utils import ModelEMA
 
-    from yoloaccum.model import checkpoint_blocks
+    from yoloaccum.model.build import checkpoint_blocks
 
-    runs.keep_freed_memory()  # as the trainer does, so that the memory and accumulation probes see its allocator
+    memory.keep_freed_memory()  # as the trainer does, so that the memory and accumulation probes see its allocator
     cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=0, imgsz=imgsz,
                                         optimizer="SGD"))  # fmt: skip
     s = schedule.build(cfg, num_images=batch * num_batches, nc=4)
@@ -137,7 +141,7 @@ def bare_pass(model: torch.nn.Module, loss, batches: list[dict]) -> float:
 
     It leaves the model as it found it: no gradients (as at a window's end) and BatchNorm's running statistics
     restored, so that training can go on undisturbed."""
-    from yoloaccum.buffers import kept
+    from yoloaccum.core.buffers import kept
 
     with kept(model):
         for i, b in enumerate(batches):
@@ -185,7 +189,7 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
     `iterations` of the training loader's batches held on the device: the mean of the passes just before and just
     after the last epoch. Side by side in one process, the two share the machine's speed of the moment, the memory
     layout and the threads, which fresh processes do not (these machines vary by 10-20% between runs)."""
-    from yoloaccum import trainer
+    from yoloaccum.training import trainer
 
     project = tempfile.mkdtemp()
     args = {**TRAIN_ARGS, "model": model, "data": data, "imgsz": imgsz, "epochs": epochs, "fraction": fraction}
@@ -209,7 +213,7 @@ def bare_limit(model: str, data: str, imgsz: int, micro: int, iterations: int) -
     """The bare limit alone, in its own process: a fresh model's forward, loss and backward at micro-batch `micro`
     on `iterations` real training batches held on the device (AMP on CUDA, deterministic kernels), as the trainer
     sets the model up. What the GPU check sets beside the two trainers' images per second at the same micro-batch."""
-    runs.seed_everything(0, deterministic=True)  # as the trainers it is set beside (deterministic=True)
+    rng.seed_everything(0, deterministic=True)  # as the trainers it is set beside (deterministic=True)
     engine = engine_for(model, imgsz, micro, 64, iterations)
     batches = on_device(real_batches(data, imgsz, micro, iterations + 2))
     bare_pass(engine.raw_model, engine.loss, batches[:4])  # kernels chosen and memory pooled before it counts
@@ -247,7 +251,8 @@ def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction:
     """yoloaccum's trainer as `yoloaccum train` runs it, eager or with compile=True (one graph per batch size, or
     with dynamic, one with a dynamic batch size): images/s of each epoch as results.csv has them, and the compile
     time, which the trainer spends before its first epoch."""
-    from yoloaccum import compiler, trainer
+    from yoloaccum.model import compiler
+    from yoloaccum.training import trainer
 
     compiler.DYNAMIC = dynamic
     args = {**TRAIN_ARGS, "model": model, "data": data, "imgsz": imgsz, "epochs": epochs, "fraction": fraction,

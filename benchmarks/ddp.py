@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config, distributed, schedule
-from yoloaccum.engine import Engine
-from yoloaccum.loss import WindowLoss
-from yoloaccum.ultra import ultralytics_args
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
+from yoloaccum.config import settings as config
+from yoloaccum.config.ultra import ultralytics_args
+from yoloaccum.core import schedule
+from yoloaccum.core.engine import Engine
+from yoloaccum.core.loss import WindowLoss
+from yoloaccum.distributed import ddp as distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_batches  # noqa: E402

@@ -79,7 +79,7 @@ def sets(names: list[str], smoke: bool) -> dict[str, tuple[Path, dict, int]]:
 
 def ultralytics_child(data: str, project: str, settings: str) -> None:
     """In a fresh process: Ultralytics' own trainer at its defaults, with the downloads off."""
-    import yoloaccum.ultra  # noqa: F401, I001  (first: offline, fonts patched, nothing reaches the network)
+    import yoloaccum.config.ultra  # noqa: F401, I001  (first: offline, fonts patched, nothing reaches the network)
     from ultralytics import YOLO
 
     kwargs = json.loads(settings)

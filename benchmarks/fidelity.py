@@ -115,7 +115,7 @@ def model_of(size: dict) -> str:
 
 def dataset(size: dict, folder: str) -> Path:
     """The runs' data: BCCD from ../shared, or the shapes set generated with the size's counts."""
-    from common import shapes_data  # imports yoloaccum.ultra first: ultralytics offline before it is imported
+    from common import shapes_data  # imports yoloaccum.config.ultra first: ultralytics offline before it is imported
 
     if size.get("dataset") in SHARED_SETS:  # absolute: Ultralytics' trainer resolves a relative path elsewhere
         from common import absolute_yaml
@@ -130,10 +130,13 @@ def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int, fr
     of the layers `freeze` froze, as training's precise_bn keeps them)."""
     import torch
 
-    from yoloaccum import checkpoint, config, distributed, precise_bn
-    from yoloaccum import data as data_
-    from yoloaccum import freeze as freeze_
-    from yoloaccum.validate import Evaluator
+    from yoloaccum.batchnorm import precise as precise_bn
+    from yoloaccum.config import settings as config
+    from yoloaccum.data import datasets as data_
+    from yoloaccum.distributed import ddp as distributed
+    from yoloaccum.evaluation.validate import Evaluator
+    from yoloaccum.model import checkpoint
+    from yoloaccum.model import freeze as freeze_
 
     cfg = config.resolve(overrides={"data": str(data), "imgsz": imgsz, "workers": 0})
     spec = data_.load_spec(cfg.data)

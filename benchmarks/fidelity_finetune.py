@@ -30,7 +30,7 @@ from bench import fresh  # noqa: E402
 from common import BACKBONE, TINY_MODEL  # noqa: E402
 from fidelity import METRICS, SHARED_SETS, paired  # noqa: E402
 
-from yoloaccum.schedule import BN_AUTO_BELOW, PRECISE_BN_FROM_WEIGHTS, bn_mode, precise_bn_count  # noqa: E402
+from yoloaccum.core.schedule import BN_AUTO_BELOW, PRECISE_BN_FROM_WEIGHTS, bn_mode, precise_bn_count  # noqa: E402
 
 # name: (trainer, settings beyond the recipe); the order is the order a seed's runs are made in, most telling first
 CONFIGS = {
@@ -73,7 +73,7 @@ def checkpoint_for(smoke: bool, work: Path, given: Path | None = None) -> tuple[
         path = pretrain.ensure()
         return path, pretrain.sha256(path)
     import torch
-    from ultralytics import YOLO  # offline: common imported yoloaccum.ultra first
+    from ultralytics import YOLO  # offline: common imported yoloaccum.config.ultra first
 
     torch.manual_seed(0)
     path = work / "tiny.pt"

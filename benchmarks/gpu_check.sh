@@ -101,8 +101,9 @@ cat > "$W/scan.py" <<'PY'
 """Write every label cache once, before runs that go side by side could write the same cache file at once."""
 import sys
 
-import yoloaccum.ultra  # noqa: F401
-from yoloaccum import config, data
+import yoloaccum.config.ultra  # noqa: F401
+from yoloaccum.config import settings as config
+from yoloaccum.data import datasets as data
 
 for y in sys.argv[1:]:
     spec = data.load_spec(y)
@@ -163,8 +164,8 @@ def overflows(scale):
 
 def scaler(run):
     """The GradScaler state in last.pt, and how many steps it must have skipped against what schedule.csv says."""
-    import yoloaccum.ultra  # noqa: F401
-    from yoloaccum import checkpoint
+    import yoloaccum.config.ultra  # noqa: F401
+    from yoloaccum.model import checkpoint
 
     state = checkpoint.load(Path(run) / "weights/last.pt")["yoloaccum"]["scaler"]
     if not state:
@@ -318,16 +319,21 @@ import traceback
 
 import torch
 
-import yoloaccum.ultra  # noqa: F401  (offline and quiet before ultralytics loads)
+import yoloaccum.config.ultra  # noqa: F401  (offline and quiet before ultralytics loads)
 from ultralytics.nn.tasks import DetectionModel
 from ultralytics.utils.torch_utils import ModelEMA
-from yoloaccum import autobatch, compiler, config, distributed, optim, schedule
-from yoloaccum import data as data_
-from yoloaccum import engine
-from yoloaccum.batches import build_loader
-from yoloaccum.engine import Engine
-from yoloaccum.loss import WindowLoss
-from yoloaccum.ultra import ultralytics_args
+from yoloaccum.model import autobatch
+from yoloaccum.model import compiler
+from yoloaccum.config import settings as config
+from yoloaccum.distributed import ddp as distributed
+from yoloaccum.core import optim
+from yoloaccum.core import schedule
+from yoloaccum.data import datasets as data_
+from yoloaccum.core import engine
+from yoloaccum.data.batches import build_loader
+from yoloaccum.core.engine import Engine
+from yoloaccum.core.loss import WindowLoss
+from yoloaccum.config.ultra import ultralytics_args
 
 DEV = torch.device("cuda", 0)
 CTX = distributed.Context(0, 0, 1, DEV)

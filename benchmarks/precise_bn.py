@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import shapes_data  # noqa: E402  (imports yoloaccum.ultra: ultralytics offline)
+from common import shapes_data  # noqa: E402  (imports yoloaccum.config.ultra: ultralytics offline)
 from fidelity import BCCD, BCCD_YAML, T95  # noqa: E402
 
 STORE = HERE / "precise_bn.json"
@@ -42,7 +42,8 @@ MAKE_TRAIN = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64, "wor
 
 def cost(data: Path, settings: dict, epochs: int) -> dict:
     """Seconds per epoch of training, recompute and validation, in a trainer run as `yoloaccum train` runs it."""
-    from yoloaccum import config, epoch_end, trainer
+    from yoloaccum.config import settings as config
+    from yoloaccum.training import epoch_end, trainer
 
     args = {**settings, "data": str(data), "epochs": epochs, "plots": False, "verbose": False}
     cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + [f"project={tempfile.mkdtemp()}", "name=cost"])
@@ -82,9 +83,9 @@ def where(imgsz: int = 160, n: int = 256, repeats: int = 5) -> dict:
     import torch
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import precise_bn
-    from yoloaccum.batches import model_input
-    from yoloaccum.distributed import Context
+    from yoloaccum.batchnorm import precise as precise_bn
+    from yoloaccum.core.micro_batch import model_input
+    from yoloaccum.distributed.ddp import Context
 
     model = DetectionModel("yolo26n.yaml", nc=3, verbose=False).to(memory_format=torch.channels_last)
     ctx, images = Context(0, 0, 1, torch.device("cpu")), torch.randint(0, 255, (n, 3, imgsz, imgsz), dtype=torch.uint8)
@@ -132,9 +133,12 @@ def size(run: Path, sizes=SIZES) -> dict:
     """{epoch: {N: mAP50-95}} for every weights/epoch*.pt of a run, recomputed over N images each."""
     import torch
 
-    from yoloaccum import checkpoint, config, distributed, precise_bn
-    from yoloaccum import data as data_
-    from yoloaccum.validate import Evaluator
+    from yoloaccum.batchnorm import precise as precise_bn
+    from yoloaccum.config import settings as config
+    from yoloaccum.data import datasets as data_
+    from yoloaccum.distributed import ddp as distributed
+    from yoloaccum.evaluation.validate import Evaluator
+    from yoloaccum.model import checkpoint
 
     saved = yaml_args(run)
     cfg = config.resolve(

@@ -30,14 +30,14 @@ import threading
 import traceback
 
 # Variables the code under test reads while it runs, never while importing: a request may differ from the server's
-# environment in these and still be forked. yoloaccum/faults.py reads YOLOACCUM_FAULT when a run installs its
+# environment in these and still be forked. yoloaccum/training/faults.py reads YOLOACCUM_FAULT when a run installs its
 # faults; yoloaccum/cli.py reads YOLOACCUM_DEBUG when it reports an error.
 # PYTEST_CURRENT_TEST, pytest's name for the running test, is read by nothing here.
 RUN_TIME = frozenset({"YOLOACCUM_FAULT", "YOLOACCUM_DEBUG", "PYTEST_CURRENT_TEST"})
 
 # What a `yoloaccum train` (or val, predict, plan) process imports before it trains.
-PRELOAD = ("yoloaccum.cli", "yoloaccum.trainer", "yoloaccum.validate", "yoloaccum.prediction", "yoloaccum.planning",
-           "yoloaccum.plots", "yoloaccum.shapes", "torch.optim", "matplotlib.pyplot")  # fmt: skip
+PRELOAD = ("yoloaccum.cli", "yoloaccum.training.trainer", "yoloaccum.evaluation.validate", "yoloaccum.commands.predict", "yoloaccum.commands.plan",
+           "yoloaccum.evaluation.plots", "yoloaccum.data.shapes", "torch.optim", "matplotlib.pyplot")  # fmt: skip
 
 
 def _exit_status(e: SystemExit) -> int:

@@ -138,7 +138,7 @@ class _ForkServer:
     def __init__(self) -> None:
         # What importing yoloaccum sets in the environment (Ultralytics' offline switches) is set in this process
         # first, as the tests' own imports do: the server then starts with the environment run_cli passes on.
-        import yoloaccum.ultra  # noqa: F401
+        import yoloaccum.config.ultra  # noqa: F401
 
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the server runs) its stderr, shown if it ends
         server = [sys.executable, str(Path(__file__).with_name("cli_server.py"))]

@@ -14,7 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_precise_bn import images, make_model  # noqa: E402
 
-from yoloaccum import distributed, precise_bn  # noqa: E402
+from yoloaccum.batchnorm import precise as precise_bn
+from yoloaccum.distributed import ddp as distributed  # noqa: E402
 
 
 def main(out: str) -> None:

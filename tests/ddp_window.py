@@ -23,9 +23,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_equivalence import OBJECTS, concat, grads, make_model, micro_batch  # noqa: E402
 
-from yoloaccum import config, distributed, norm, schedule  # noqa: E402
-from yoloaccum.engine import Engine  # noqa: E402
-from yoloaccum.loss import WindowLoss  # noqa: E402
+from yoloaccum.batchnorm import window as norm
+from yoloaccum.config import settings as config  # noqa: E402
+from yoloaccum.core import schedule
+from yoloaccum.core.engine import Engine  # noqa: E402
+from yoloaccum.core.loss import WindowLoss  # noqa: E402
+from yoloaccum.distributed import ddp as distributed
 
 
 def main(out: str, batch: int, nbs: int, sync_all: bool, bn_window: bool, as_ranks: int) -> None:

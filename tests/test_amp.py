@@ -12,9 +12,11 @@ import torch
 from test_engine import MeanLoss
 from torch import nn
 
-from yoloaccum import config, distributed, schedule
-from yoloaccum.engine import AMP_SCALE_FLOOR, Engine
-from yoloaccum.state import load_scaler_state
+from yoloaccum.config import settings as config
+from yoloaccum.core import schedule
+from yoloaccum.core.engine import AMP_SCALE_FLOOR, Engine
+from yoloaccum.distributed import ddp as distributed
+from yoloaccum.training.state import load_scaler_state
 
 CPU = distributed.Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -67,9 +69,9 @@ def test_amp_window_gradient_of_the_real_model_is_fp32s_within_fp16_rounding(tmp
     rounding; a scale applied twice or not at all, or a window normalised per micro-batch, is off by far more."""
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import loss
-    from yoloaccum.autobatch import synthetic_batch
-    from yoloaccum.ultra import ultralytics_args
+    from yoloaccum.config.ultra import ultralytics_args
+    from yoloaccum.core import loss
+    from yoloaccum.model.autobatch import synthetic_batch
 
     torch.manual_seed(0)
     model = DetectionModel("yolo26n.yaml", nc=4, verbose=False)
@@ -134,9 +136,9 @@ def test_no_window_of_the_real_model_is_lost_while_the_scaler_finds_its_scale():
     which overflows the first windows' gradients: every window steps, after runs again at smaller scales."""
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import loss
-    from yoloaccum.autobatch import synthetic_batch
-    from yoloaccum.ultra import ultralytics_args
+    from yoloaccum.config.ultra import ultralytics_args
+    from yoloaccum.core import loss
+    from yoloaccum.model.autobatch import synthetic_batch
 
     torch.manual_seed(0)
     model = DetectionModel("yolo26n.yaml", nc=4, verbose=False)

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import shapes_yaml
 
-from yoloaccum.autobatch import GIB, fit, micro_batch_cap, state_bytes
+from yoloaccum.model.autobatch import GIB, fit, micro_batch_cap, state_bytes
 
 
 def test_fit_takes_the_fraction_of_free_memory_by_a_linear_fit():
@@ -74,9 +74,10 @@ def test_a_cuda_library_allocation_failure_in_the_probe_counts_as_did_not_fit():
     import torch
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import config, loss
-    from yoloaccum.autobatch import measure
-    from yoloaccum.ultra import ultralytics_args
+    from yoloaccum.config import settings as config
+    from yoloaccum.config.ultra import ultralytics_args
+    from yoloaccum.core import loss
+    from yoloaccum.model.autobatch import measure
 
     device = torch.device("cuda", 0)
     model = DetectionModel("yolo26n.yaml", nc=4, verbose=False).to(device).train()

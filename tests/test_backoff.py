@@ -10,8 +10,8 @@ from conftest import SERIAL, final_weights, relative_difference
 from test_engine import make_engine, toy_batches
 from torch import nn
 
-from yoloaccum import faults
-from yoloaccum.batches import split_batch
+from yoloaccum.core.micro_batch import split_batch
+from yoloaccum.training import faults
 
 
 def bn_model() -> nn.Module:

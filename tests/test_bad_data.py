@@ -13,8 +13,10 @@ import pytest
 import yaml
 from conftest import PLUMBING
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config, data, shapes
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
+from yoloaccum.config import settings as config
+from yoloaccum.data import datasets as data
+from yoloaccum.data import shapes
 
 NAMES = {0: "circle", 1: "square", 2: "triangle", 3: "cross"}
 BOX = "0 0.5 0.5 0.2 0.2\n"

@@ -14,9 +14,9 @@ import torch
 import yaml
 from conftest import shapes_yaml
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import checkpoint
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
 from yoloaccum.errors import UserError
+from yoloaccum.model import checkpoint
 
 # Every train below is this small; most of the cases fail before the first micro-batch.
 TINY = ("imgsz=64", "epochs=1", "workers=0", "batch=4", "nbs=4", "plots=False")

@@ -87,7 +87,7 @@ def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path
 def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(tmp_path):
     """The fine-tuning study in small: a tiny checkpoint fine-tuned by both trainers, kept under its SHA-256; a
     configuration that resolves as another (b2-window as the default b2 from weights) reuses its runs."""
-    from yoloaccum.schedule import bn_mode
+    from yoloaccum.core.schedule import bn_mode
 
     twin = f"b2-{bn_mode('auto', 2)}"
     cmd = [sys.executable, "benchmarks/fidelity_finetune.py", "--smoke", "--out", str(tmp_path)]

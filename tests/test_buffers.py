@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from yoloaccum.buffers import Kept, kept
+from yoloaccum.core.buffers import Kept, kept
 
 
 def bn() -> nn.Module:

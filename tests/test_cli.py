@@ -12,8 +12,8 @@ import torch
 import yaml
 
 import yoloaccum
-from yoloaccum import config
-from yoloaccum import planning as plan_
+from yoloaccum.commands import plan as plan_
+from yoloaccum.config import settings as config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BROKEN_BRACKET = "batch: 8\nnbs: 64\nepochs: [1, 2\n"  # unclosed bracket on line 3
@@ -270,7 +270,7 @@ def test_plan_splits_the_batch_over_devices_without_cuda(run_cli) -> None:
 )
 def test_device_strings_have_one_parser(device: str, ids: list[int]) -> None:
     """train, val, predict and plan all read device= through distributed.cuda_ids (val once built cuda:cuda:0)."""
-    from yoloaccum import distributed
+    from yoloaccum.distributed import ddp as distributed
 
     assert distributed.cuda_ids(device) == ids
     assert distributed.world_size(device) == max(len(ids), 1)
@@ -284,7 +284,7 @@ def test_plan_counts_the_images_training_uses(run_cli, tmp_path: Path, fraction,
     """Ultralytics' fraction of the files, less the images its label check skips: what training reports."""
     from conftest import shapes_yaml
 
-    from yoloaccum import data
+    from yoloaccum.data import datasets as data
 
     yaml_file = shapes_yaml(tmp_path, num_train=24, num_val=4)
     if corrupt:

@@ -24,8 +24,12 @@ from conftest import (
     shapes_yaml,
 )
 
-from yoloaccum import batches, compiler, config, runs, schedule
+from yoloaccum.config import settings as config
+from yoloaccum.core import schedule
+from yoloaccum.data import batches
 from yoloaccum.errors import UserError
+from yoloaccum.model import compiler
+from yoloaccum.process import rng
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import CTX, engine_for, make_batches  # noqa: E402
@@ -82,7 +86,7 @@ def test_a_compiled_window_equals_the_eager_one_and_compiling_changes_nothing():
     key, so the graphs compiled here are those of a compiled run at bn=batch, and the next compile of them (the
     benchmark smoke's) reads them from the cache instead of compiling again."""
     with global_settings_kept():
-        runs.seed_everything(0, deterministic=True)
+        rng.seed_everything(0, deterministic=True)
         compiled_window_equals_eager()
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for yoloaccum.config: precedence, typing, validation, immutability and Ultralytics recipes."""
+"""Unit tests for yoloaccum.config.settings: precedence, typing, validation, immutability and Ultralytics recipes."""
 
 import re
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from yoloaccum import config
+from yoloaccum.config import settings as config
 from yoloaccum.errors import UserError
 
 
@@ -223,7 +223,7 @@ USED_AS_ULTRALYTICS = (
 
 def test_ultralytics_default_yaml_loads_as_a_recipe(tmp_path: Path) -> None:
     """Every key at its default is accepted; each is ours, with Ultralytics' meaning, or has a reason it is not."""
-    from yoloaccum import ultralytics_keys
+    from yoloaccum.config import ultralytics_keys
 
     ultra = config.ultralytics_defaults()
     not_ours = [k for k in ultra if k not in USED_AS_ULTRALYTICS]
@@ -244,8 +244,8 @@ def test_ultralytics_default_yaml_loads_as_a_recipe(tmp_path: Path) -> None:
 
 def test_keys_py_is_the_typed_view_of_default_yaml() -> None:
     """keys.py is generated from default.yaml: a key added, removed or retyped there without regenerating it fails
-    here (run `python -m yoloaccum.schema`)."""
-    from yoloaccum import schema
+    here (run `python -m yoloaccum.config.schema`)."""
+    from yoloaccum.config import schema
 
     assert (Path(schema.__file__).parent / "keys.py").read_text() == schema.typed_view()
 

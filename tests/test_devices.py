@@ -11,8 +11,11 @@ import pytest
 import torch
 from conftest import shapes_yaml
 
-from yoloaccum import compiler, config, distributed, state
+from yoloaccum.config import settings as config
+from yoloaccum.distributed import ddp as distributed
 from yoloaccum.errors import UserError
+from yoloaccum.model import compiler
+from yoloaccum.process import rng
 
 
 @pytest.fixture
@@ -58,9 +61,9 @@ def test_random_states_of_a_cpu_run_leave_cuda_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", touched)
     monkeypatch.setattr(torch.cuda, "set_rng_state", touched)
-    saved = state.rng_state(None)
+    saved = rng.rng_state(None)
     assert saved["cuda"] is None
-    state.restore_rng({**saved, "cuda": torch.zeros(8, dtype=torch.uint8)}, None)  # a CUDA run resumed on the CPU
+    rng.restore_rng({**saved, "cuda": torch.zeros(8, dtype=torch.uint8)}, None)  # a CUDA run resumed on the CPU
 
 
 @pytest.mark.parametrize("mode", sorted(compiler.CUDA_GRAPH_MODES))

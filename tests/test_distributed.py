@@ -149,7 +149,7 @@ def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(two_ra
     args, full = two_rank_run
     args = (*args, f"project={tmp_path}")
     r = torchrun(2, *args, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8:1"})
-    from yoloaccum import checkpoint
+    from yoloaccum.model import checkpoint
 
     state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
     assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}, r.stderr[-3000:]
@@ -179,7 +179,7 @@ def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
     with an error. The test ends as the line appears: what follows is torchrun's own grace of 30 s before it kills
     the hung rank, which takes SIGTERM as any rank does, as a stop at its next window boundary, which never comes.
     test_a_failing_rank_ends_the_job covers torchrun ending the job once a rank has exited."""
-    from yoloaccum import checkpoint
+    from yoloaccum.model import checkpoint
 
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
     cmd = [*TORCHRUN, "--nproc_per_node=2", "-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64",
@@ -216,7 +216,7 @@ def test_a_failing_rank_ends_the_job(kind, tmp_path):
                  timeout=300)  # fmt: skip
     assert r.returncode != 0
     assert time.monotonic() - start < 240
-    from yoloaccum import checkpoint
+    from yoloaccum.model import checkpoint
 
     ckpt = checkpoint.load(tmp_path / "fail/weights/last.pt")
     assert ckpt["epoch"] == 0
@@ -231,7 +231,7 @@ def test_several_cuda_devices_without_cuda_is_a_clear_error(run_cli, tmp_path):
 
 def test_device_ids_count_within_cuda_visible_devices():
     """device= ids are torch's indices: with CUDA_VISIBLE_DEVICES=4,5,6,7, device=0,1 means physical 4 and 5."""
-    from yoloaccum.distributed import visible_devices
+    from yoloaccum.distributed.ddp import visible_devices
 
     assert visible_devices([0, 1], None) == "0,1"
     assert visible_devices([0, 1], "4,5,6,7") == "4,5"
@@ -242,7 +242,7 @@ def test_device_ids_count_within_cuda_visible_devices():
 
 def test_under_torchrun_each_local_rank_takes_its_listed_device():
     """device=2,3 under torchrun: local rank 0 on cuda:2, 1 on cuda:3 (not cuda:0 and cuda:1); too few is an error."""
-    from yoloaccum.distributed import rank_device
+    from yoloaccum.distributed.ddp import rank_device
 
     assert [rank_device([2, 3], r, 2) for r in range(2)] == [2, 3]
     assert rank_device([1], 0, 1) == 1
@@ -257,7 +257,7 @@ def test_ddp_is_built_with_the_buffer_switch_this_torch_names():
 
     from torch import nn
 
-    from yoloaccum import distributed
+    from yoloaccum.distributed import ddp as distributed
 
     class Before213:
         def __init__(self, module, device_ids=None, broadcast_buffers=True): ...

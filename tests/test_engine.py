@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from yoloaccum import config, distributed, optim, schedule
-from yoloaccum.engine import Engine
+from yoloaccum.config import settings as config
+from yoloaccum.core import optim, schedule
+from yoloaccum.core.engine import Engine
+from yoloaccum.distributed import ddp as distributed
 
 pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `make numerics`
 

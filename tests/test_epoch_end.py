@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 from conftest import PLUMBING, shapes_yaml
 
-from yoloaccum import checkpoint, config, epoch_end
-from yoloaccum.tensorboard import TensorBoard
-from yoloaccum.trainer import Trainer
-from yoloaccum.training_state import TrainingState
+from yoloaccum.config import settings as config
+from yoloaccum.model import checkpoint
+from yoloaccum.training import epoch_end
+from yoloaccum.training.tensorboard import TensorBoard
+from yoloaccum.training.trainer import Trainer
+from yoloaccum.training.training_state import TrainingState
 
 
 def _trainer(tmp_path, **changes) -> Trainer:

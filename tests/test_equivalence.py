@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import config
-from yoloaccum import model as model_
-from yoloaccum.loss import WindowLoss
-from yoloaccum.ultra import ultralytics_args
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
+from yoloaccum.config import settings as config
+from yoloaccum.config.ultra import ultralytics_args
+from yoloaccum.core.loss import WindowLoss
+from yoloaccum.model import build as model_
 
 pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `make numerics`
 

@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from yoloaccum import faults
 from yoloaccum.errors import UserError
+from yoloaccum.training import faults
 
 
 def engine(rank: int = 0):

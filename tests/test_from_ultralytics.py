@@ -18,8 +18,15 @@ from conftest import (
     shapes_yaml,
 )
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import checkpoint, clock, components, config, distributed, freeze, multiscale, norm, precise_bn, schedule
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
+from yoloaccum.batchnorm import precise as precise_bn
+from yoloaccum.batchnorm import window as norm
+from yoloaccum.config import settings as config
+from yoloaccum.core import schedule
+from yoloaccum.data import multiscale
+from yoloaccum.distributed import ddp as distributed
+from yoloaccum.model import checkpoint, freeze
+from yoloaccum.training import clock, components
 
 pytestmark = pytest.mark.usefixtures("settings_kept")  # runs built in this process
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -36,7 +43,7 @@ def ultralytics_run(data, tmp_path_factory) -> Path:
     """A real `yolo train` run (Ultralytics' own trainer, one short epoch): its folder, args.yaml included."""
     from ultralytics.models.yolo.detect import DetectionTrainer
 
-    from yoloaccum import data as data_
+    from yoloaccum.data import datasets as data_
 
     data_.load_spec(data)  # the shapes set generates itself on first use; Ultralytics' trainer needs it made
     project = tmp_path_factory.mktemp("ultralytics")
@@ -190,7 +197,7 @@ def test_amp_bf16_trains_in_bfloat16_on_the_cpu_close_to_fp32(data, tmp_path):
 
 def test_classes_keeps_the_listed_classes_boxes(data, tmp_path):
     cfg = config.resolve(overrides=dict(data=str(data), classes=[1], imgsz=64, batch=4, project=str(tmp_path)))
-    from yoloaccum import data as data_
+    from yoloaccum.data import datasets as data_
 
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     classes = {int(c) for label in dataset.labels for c in label["cls"].flatten()}

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from yoloaccum import config, schedule
+from yoloaccum.config import settings as config
+from yoloaccum.core import schedule
 
 # effective batch: (batch, images, epochs) giving it with nbs 64; 32 comes from accumulate capped at the run's 2
 # iterations (batch 16, 32 images, 1 epoch)

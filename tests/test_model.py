@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import REPO
 
-from yoloaccum import config
-from yoloaccum.loss import WindowLoss
-from yoloaccum.model import checkpoint_blocks, checkpoint_units
-from yoloaccum.ultra import ultralytics_args
+from yoloaccum.config import settings as config
+from yoloaccum.config.ultra import ultralytics_args
+from yoloaccum.core.loss import WindowLoss
+from yoloaccum.model.build import checkpoint_blocks, checkpoint_units
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import make_batches  # noqa: E402

@@ -10,9 +10,10 @@ from conftest import PLUMBING, SERIAL, TINY_MODEL, final_weights, relative_diffe
 from test_engine import make_engine
 from torch import nn
 
-from yoloaccum import faults, norm
+from yoloaccum.batchnorm import window as norm
+from yoloaccum.batchnorm.window import WindowBatchNorm2d, WindowStatistics
 from yoloaccum.errors import UserError
-from yoloaccum.norm import WindowBatchNorm2d, WindowStatistics
+from yoloaccum.training import faults
 
 
 def conv_net() -> nn.Sequential:
@@ -268,7 +269,7 @@ def test_grad_checkpointing_recomputes_with_the_statistics_the_first_forward_use
     tests/test_model.py's."""
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import model as model_
+    from yoloaccum.model import build as model_
 
     torch.manual_seed(0)
     plain = DetectionModel("yolo26n.yaml", nc=4, verbose=False)
@@ -299,7 +300,7 @@ def test_compiled_bn_window_equals_eager(tmp_path):
 
     from conftest import REPO
 
-    from yoloaccum import compiler
+    from yoloaccum.model import compiler
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from common import CTX, engine_for, make_batches
@@ -357,7 +358,7 @@ def test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_mo
 
 def test_a_last_pt_of_the_queue_era_bn_window_is_refused_with_one_line(tmp_path):
     """A format-2 last.pt of a bn=window run trained with the earlier queue: one line, naming what to do."""
-    from yoloaccum import state
+    from yoloaccum.training import state
 
     ckpt = {"yoloaccum": {"format": 2, "position": {}, "ranks": [], "config": {"bn": "window"}}}
     with pytest.raises(UserError, match="earlier queue.*pretrained="):

@@ -9,7 +9,8 @@ from test_backoff import bn_model
 from test_engine import make_engine, toy_batches
 from torch import nn
 
-from yoloaccum import backoff, distributed
+from yoloaccum.core import backoff
+from yoloaccum.distributed import ddp as distributed
 from yoloaccum.errors import UserError
 
 
@@ -90,7 +91,9 @@ def test_validation_that_runs_out_of_memory_runs_again_at_half_the_batch(tmp_pat
     """The same figures as a validation at the smaller batch from the start, and the smaller batch is kept."""
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import config, data, validate
+    from yoloaccum.config import settings as config
+    from yoloaccum.data import datasets as data
+    from yoloaccum.evaluation import validate
 
     dataset = shapes_yaml(tmp_path, num_train=4, num_val=8, imgsz=64, seed=2)
     cfg = config.resolve([f"data={dataset}", "imgsz=64", "workers=0"])
@@ -116,7 +119,7 @@ def test_validation_that_runs_out_of_memory_runs_again_at_half_the_batch(tmp_pat
 def test_the_assigners_own_out_of_memory_fallback_is_said_in_the_log():
     """Ultralytics' TaskAlignedAssigner catches a CUDA out-of-memory error itself and assigns one image at a time,
     warning through its logger, which yoloaccum keeps quiet. The first time it happens, the run's log says so."""
-    from yoloaccum.loss import _TargetScoreSum
+    from yoloaccum.core.loss import _TargetScoreSum
 
     class Assigner:  # what the CPU cannot do: run out of memory inside the assignment
         _oom_warned = False

@@ -11,8 +11,8 @@ import json
 import pytest
 from conftest import shapes_yaml
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
-from yoloaccum import shapes
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
+from yoloaccum.data import shapes
 
 pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `make numerics`
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import EXACT, PLUMBING, REPO, SERIAL, final_weights, offline_env, shapes_yaml
 
-from yoloaccum import precise_bn
-from yoloaccum.distributed import Context
+from yoloaccum.batchnorm import precise as precise_bn
+from yoloaccum.distributed.ddp import Context
 
 CPU = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -17,7 +17,7 @@ CPU = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 def make_model() -> torch.nn.Module:
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import ultra  # noqa: F401  (ultralytics offline and quiet)
+    from yoloaccum.config import ultra  # noqa: F401  (ultralytics offline and quiet)
 
     torch.manual_seed(0)
     return DetectionModel("yolo26n.yaml", nc=4, verbose=False).eval()
@@ -82,7 +82,7 @@ def test_every_layer_is_recomputed_and_modes_are_restored():
 
 
 def test_precise_bn_is_auto_or_a_count_of_images():
-    from yoloaccum import config
+    from yoloaccum.config import settings as config
     from yoloaccum.errors import UserError
 
     assert config.resolve([]).precise_bn == "auto"
@@ -131,7 +131,7 @@ def test_training_is_the_same_with_and_without_precise_statistics(tmp_path, run_
 
 
 def _draw_settings(data, tmp_path, **changes):
-    from yoloaccum import config
+    from yoloaccum.config import settings as config
 
     settings = {"data": str(data), "model": "yolo26n.yaml", "imgsz": 64, "batch": 4, "precise_bn": 10, "workers": 0,
                 "plots": False, "project": str(tmp_path), **changes}  # fmt: skip
@@ -149,8 +149,8 @@ def _random_states():
 def test_the_kept_images_are_drawn_from_the_seed_alone_and_leave_training_random_states(tmp_path):
     """The trainer draws precise_bn's images once and keeps them: drawing them again gives the same images (so a
     resumed run recomputes over the same ones), and drawing them leaves every random state training uses."""
-    from yoloaccum import data
-    from yoloaccum.trainer import Trainer
+    from yoloaccum.data import datasets as data
+    from yoloaccum.training.trainer import Trainer
 
     cfg = _draw_settings(shapes_yaml(tmp_path, num_train=12, num_val=4), tmp_path)
     trainer = Trainer.from_config(cfg)
@@ -166,7 +166,7 @@ def test_the_kept_images_are_drawn_from_the_seed_alone_and_leave_training_random
 
 def test_the_images_are_the_same_on_any_number_of_ranks(tmp_path):
     """Every rank draws the same N augmented images and keeps its share, so 2 ranks' statistics are 1 process's."""
-    from yoloaccum import data
+    from yoloaccum.data import datasets as data
 
     cfg = _draw_settings(shapes_yaml(tmp_path, num_train=12, num_val=4), tmp_path, precise_bn=9)
     spec = data.load_spec(cfg.data)
@@ -178,7 +178,7 @@ def test_the_images_are_the_same_on_any_number_of_ranks(tmp_path):
 def test_augmented_images_follow_the_recipe_and_plain_ones_are_letterboxed(tmp_path):
     """precise_bn_aug draws the recipe's augmentation, mosaic included (mosaic=0 draws other images); without it the
     images are the letterboxed ones inference sees, whatever the recipe's augmentation."""
-    from yoloaccum import data
+    from yoloaccum.data import datasets as data
 
     yaml_file = shapes_yaml(tmp_path, num_train=12, num_val=4)
     spec = data.load_spec(yaml_file)

@@ -18,8 +18,11 @@ import pytest
 import torch
 from conftest import PLUMBING, REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
 
-from yoloaccum import checkpoint, config, faults, resume, schedule, state
+from yoloaccum.config import settings as config
+from yoloaccum.core import schedule
 from yoloaccum.errors import UserError
+from yoloaccum.model import checkpoint
+from yoloaccum.training import faults, resume, state
 
 RUN = (*PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1",
        "log_every=1")  # fmt: skip
@@ -267,7 +270,7 @@ def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path):
     """A process rewrites last.pt in a loop and is killed with SIGKILL at random moments; last.pt always loads."""
     script = (
         "import sys, torch\n"
-        "from yoloaccum.checkpoint import save_atomic\n"
+        "from yoloaccum.model.checkpoint import save_atomic\n"
         "from pathlib import Path\n"
         "state = {'weights': torch.randn(4_000_000), 'epoch': 0}\n"
         "while True:\n"
@@ -313,7 +316,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_last_pt(data, tmp_path
 def test_a_full_disk_under_any_log_of_the_run_folder_is_one_line(tmp_path):
     """results.csv (and schedule.csv, args.yaml: the same writer) on a full disk: one line that says what is kept,
     and the rows already written stay."""
-    from yoloaccum.progress import Results
+    from yoloaccum.training.progress import Results
 
     results = Results(tmp_path)
     results.append({"epoch": 1, "loss": 0.5, "mAP": 0.25})

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from yoloaccum import config, schedule
+from yoloaccum.config import settings as config
+from yoloaccum.core import schedule
 from yoloaccum.errors import UserError
 
 
@@ -173,7 +174,7 @@ def test_extending_a_run_rebuilds_the_lr_decay_and_keeps_warmup_and_the_optimize
 
 
 def test_plotted_training_batches_are_ultralytics_iterations():
-    from yoloaccum import plots
+    from yoloaccum.evaluation import plots
 
     s = build(num_images=100, batch=10, epochs=6)  # 10 iterations an epoch
     assert plots.train_batch_indices(s, close_mosaic=2) == {0, 1, 2, 40, 41, 42}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from yoloaccum import shapes
+from yoloaccum.data import shapes
 from yoloaccum.errors import UserError
 
 # Before ultralytics is imported (only inside a test below): no downloads, no pip installs from a test.

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import offline_env
 
-from yoloaccum.runs import seed_everything
+from yoloaccum.process.rng import seed_everything
 
 THREADS = "import os, torch; print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
 
@@ -24,14 +24,14 @@ def test_importing_yoloaccum_keeps_torchs_thread_count():
     """Ultralytics sets OMP_NUM_THREADS=1 when imported; the process and its children must not inherit it."""
     env = {k: v for k, v in offline_env().items() if k != "OMP_NUM_THREADS"}
     plain = python(THREADS, env).split()
-    after = python("import yoloaccum.ultra; " + THREADS, env).split()
+    after = python("import yoloaccum.config.ultra; " + THREADS, env).split()
     assert plain[0] == after[0] == "None"
     assert after[1] == plain[1]
 
 
 def test_a_users_thread_setting_is_kept():
     env = {**offline_env(), "OMP_NUM_THREADS": "1"}
-    assert python("import yoloaccum.ultra; " + THREADS, env).split() == ["1", "1"]
+    assert python("import yoloaccum.config.ultra; " + THREADS, env).split() == ["1", "1"]
 
 
 def test_deterministic_mode_does_not_fill_new_tensors():
@@ -48,14 +48,14 @@ def test_deterministic_mode_does_not_fill_new_tensors():
 
 @pytest.mark.parametrize("name", ["yolo26n.yaml", "yolo11n.yaml"])
 def test_a_channels_last_model_takes_nchw_images_with_identical_results(name):
-    """The trainer feeds the loader's NCHW images to its channels-last model unconverted (batches.model_input): the
+    """The trainer feeds the loader's NCHW images to its channels-last model unconverted (micro_batch.model_input): the
     first convolution lays them out itself. Loss and every gradient are the same, bit for bit."""
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import config
-    from yoloaccum.batches import model_input
-    from yoloaccum.loss import WindowLoss
-    from yoloaccum.ultra import ultralytics_args
+    from yoloaccum.config import settings as config
+    from yoloaccum.config.ultra import ultralytics_args
+    from yoloaccum.core.loss import WindowLoss
+    from yoloaccum.core.micro_batch import model_input
 
     torch.manual_seed(0)
     model = DetectionModel(name, nc=4, verbose=False).to(memory_format=torch.channels_last)
@@ -76,7 +76,7 @@ def test_a_channels_last_model_takes_nchw_images_with_identical_results(name):
 
 
 def test_loaders_use_workers_on_cuda_only():
-    from yoloaccum.batches import loader_workers
+    from yoloaccum.data.batches import loader_workers
 
     assert loader_workers(8, torch.device("cpu")) == 0
     assert loader_workers(2, torch.device("cuda", 0)) == min(2, os.cpu_count())
@@ -85,7 +85,7 @@ def test_loaders_use_workers_on_cuda_only():
 
 def test_workers_share_the_machine_among_its_ranks(monkeypatch):
     """As Ultralytics' cpu_count // devices: each of the machine's ranks takes its share of the cores at most."""
-    from yoloaccum.batches import loader_workers
+    from yoloaccum.data.batches import loader_workers
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert loader_workers(10_000, torch.device("cuda", 0)) == os.cpu_count() // 2
@@ -95,7 +95,7 @@ def test_workers_share_the_machine_among_its_ranks(monkeypatch):
 def test_objects_built_before_training_are_hidden_from_the_garbage_collector_until_it_ends():
     import gc
 
-    from yoloaccum.runs import frozen_heap
+    from yoloaccum.process.memory import frozen_heap
 
     assert gc.get_freeze_count() == 0
     with frozen_heap():
@@ -106,7 +106,7 @@ def test_objects_built_before_training_are_hidden_from_the_garbage_collector_unt
 def test_a_heap_frozen_by_the_caller_stays_frozen():
     import gc
 
-    from yoloaccum.runs import frozen_heap
+    from yoloaccum.process.memory import frozen_heap
 
     gc.freeze()
     try:
@@ -120,7 +120,7 @@ def test_a_heap_frozen_by_the_caller_stays_frozen():
 
 MALLOC = """
 import ctypes, resource, sys, torch
-from yoloaccum.runs import keep_freed_memory
+from yoloaccum.process.memory import keep_freed_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                                                "uordblks", "fordblks", "keepcost")]
@@ -164,7 +164,8 @@ def test_foreach_optimizer_steps_equal_the_per_tensor_loop_bit_for_bit(name):
     torch's default: their foreach versions round differently.)"""
     from ultralytics.nn.tasks import DetectionModel
 
-    from yoloaccum import config, optim, schedule
+    from yoloaccum.config import settings as config
+    from yoloaccum.core import optim, schedule
 
     s = schedule.build(config.resolve(overrides=dict(optimizer=name, warmup_epochs=1, epochs=2)), num_images=256)
     torch.manual_seed(0)

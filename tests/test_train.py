@@ -11,7 +11,7 @@ import torch
 import yaml
 from conftest import PLUMBING, shapes_yaml
 
-import yoloaccum.ultra  # noqa: F401  (ultralytics offline before it is imported)
+import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
 
 COCO8 = Path(__file__).resolve().parents[2] / "shared/datasets/coco8.yaml"
 OUTPUTS = ("args.yaml", "results.csv", "results.png", "schedule.csv", "weights/last.pt", "weights/best.pt")
@@ -115,7 +115,10 @@ def test_final_figures_are_best_pts_as_in_ultralytics(smoke_train):
 
 def test_pretrained_false_trains_a_pt_model_from_scratch(smoke_run, smoke_data):
     """As Ultralytics: model=x.pt pretrained=False takes the architecture only."""
-    from yoloaccum import checkpoint, config, data, model
+    from yoloaccum.config import settings as config
+    from yoloaccum.data import datasets as data
+    from yoloaccum.model import build as model
+    from yoloaccum.model import checkpoint
 
     spec = data.load_spec(str(smoke_data))
     saved = checkpoint.model_of(checkpoint.load(smoke_run / "weights/best.pt")).state_dict()
@@ -171,7 +174,9 @@ def test_best_pt_is_stripped_to_the_size_ultralytics_ships(smoke_run, tmp_path):
 
 
 def test_pretrained_best_pt_loads_every_tensor(smoke_run, smoke_data):
-    from yoloaccum import config, data, model
+    from yoloaccum.config import settings as config
+    from yoloaccum.data import datasets as data
+    from yoloaccum.model import build as model
 
     cfg = config.resolve([f"data={smoke_data}", f"pretrained={smoke_run / 'weights/best.pt'}"])
     built = model.build(cfg, data.load_spec(smoke_data), announce=False)
@@ -188,7 +193,7 @@ def test_on_the_cpu_data_loads_in_the_training_process(smoke_train):
 
 
 def test_training_runs_channels_last_and_checkpoints_stay_contiguous(smoke_run):
-    from yoloaccum import checkpoint
+    from yoloaccum.model import checkpoint
 
     ckpt = checkpoint.load(smoke_run / "weights/last.pt")
     trained = [w for w in ckpt["yoloaccum"]["model"].values() if w.ndim == 4]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from yoloaccum.training_state import TrainingState
+from yoloaccum.training.training_state import TrainingState
 
 
 @pytest.mark.parametrize("patience", [0, 1, 3, 5])

@@ -4,8 +4,10 @@ import pytest
 import torch
 from conftest import shapes_yaml
 
-from yoloaccum import config, data, validate
+from yoloaccum.config import settings as config
+from yoloaccum.data import datasets as data
 from yoloaccum.errors import UserError
+from yoloaccum.evaluation import validate
 
 METRICS = ("metrics/precision(B)", "metrics/recall(B)", "metrics/mAP50(B)", "metrics/mAP50-95(B)")
 
@@ -26,7 +28,7 @@ def trained(tmp_path_factory, run_cli):
 def test_metrics_agree_with_ultralytics_validator(trained, tmp_path):
     from ultralytics.models.yolo.detect import DetectionValidator
 
-    from yoloaccum import checkpoint
+    from yoloaccum.model import checkpoint
 
     weights, dataset = trained
     # The same weights: best.pt's half-precision EMA, as Ultralytics loads it.

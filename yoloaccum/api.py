@@ -12,55 +12,38 @@ torch is imported, so a typo answers at once.
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from yoloaccum import config
+from yoloaccum.commands.result import TrainResult
+from yoloaccum.config import settings as config
 
 __all__ = ["TrainResult", "plan", "predict", "train", "val"]
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What a training run left: its final metrics (Ultralytics' names: "metrics/mAP50-95(B)", ...), its folder, and
-    its weights (None where the run saved none)."""
-
-    metrics: dict[str, float]
-    save_dir: Path | None
-    best: Path | None = field(init=False)
-    last: Path | None = field(init=False)
-
-    def __post_init__(self) -> None:
-        for name in ("best", "last"):
-            path = self.save_dir / "weights" / f"{name}.pt" if self.save_dir else None
-            object.__setattr__(self, name, path if path and path.exists() else None)
 
 
 def train(cfg: str | Path | None = None, **overrides: Any) -> TrainResult:
     """Train a detector with gradient accumulation, e.g. train(data="coco.yaml", batch=8, nbs=64)."""
     given = _given(cfg, overrides)
     resolved = config.resolve(overrides=given)  # a mistake answers here, before torch and Ultralytics load
-    from yoloaccum import trainer
+    from yoloaccum.commands import train as train_
 
-    return trainer.run(resolved, given)
+    return train_.run(resolved, given)
 
 
 def val(cfg: str | Path | None = None, **overrides: Any) -> dict[str, float]:
     """Validate weights on a dataset, e.g. val(model="runs/train/exp/weights/best.pt", data="coco.yaml")."""
     resolved = config.resolve(overrides=_given(cfg, overrides))
-    from yoloaccum import validate
+    from yoloaccum.commands import val as val_
 
-    return validate.run(resolved)
+    return val_.run(resolved)
 
 
 def predict(cfg: str | Path | None = None, **overrides: Any) -> list[dict[str, Any]]:
     """Detect objects in an image or a folder, e.g. predict(model="best.pt", source="images/"); returns one record
     per image, as predictions.json holds them."""
     resolved = config.resolve(overrides=_given(cfg, overrides))
-    from yoloaccum import prediction as predict_
+    from yoloaccum.commands import predict as predict_
 
     return predict_.run(resolved)
 
@@ -75,7 +58,7 @@ def plan(
 ):
     """What a recipe will do, printed (as a table, or JSON): accumulate, effective batch, weight decay, the warmup
     ramp. images=N stands in for counting the dataset's training images. Returns the Schedule."""
-    from yoloaccum import planning as plan_
+    from yoloaccum.commands import plan as plan_
 
     resolved = config.resolve(overrides=_given(cfg, overrides))
     return plan_.run(resolved, images, as_json, Path(plot) if plot else None)
@@ -87,15 +70,3 @@ def _given(cfg: str | Path | None, overrides: Mapping[str, Any]) -> dict[str, An
     if cfg is not None:
         given["cfg"] = str(cfg)
     return given
-
-
-def result_of_folder(save_dir: Path) -> TrainResult:
-    """The result of a run made by other processes (torchrun's ranks): the metrics of results.csv's last row."""
-    metrics: dict[str, float] = {}
-    results = save_dir / "results.csv"
-    if results.exists():
-        with results.open() as f:
-            rows = list(csv.DictReader(f, skipinitialspace=True))
-        if rows:
-            metrics = {k.strip(): float(v) for k, v in rows[-1].items() if k.strip().startswith("metrics/")}
-    return TrainResult(metrics, save_dir)

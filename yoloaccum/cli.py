@@ -14,7 +14,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from yoloaccum import __version__, api, config
+from yoloaccum import __version__, api
+from yoloaccum.config import settings as config
 from yoloaccum.errors import Diverged, RanksFailed, UserError
 
 app = typer.Typer(
@@ -91,7 +92,7 @@ def show_cfg(args: ARGS = None) -> None:
 @app.command()
 def shapes(args: ARGS = None) -> None:
     """Generate the synthetic shapes dataset, e.g. `yoloaccum shapes out=datasets/shapes`."""
-    from yoloaccum import shapes as shapes_
+    from yoloaccum.data import shapes as shapes_
 
     args = list(args or [])
     out = _pop(args, "out") or "datasets/shapes"
@@ -121,7 +122,7 @@ def run() -> None:
     # --verbose may come anywhere, also after the command's key=value arguments.
     verbose = any(a in {"--verbose", "-v"} for a in sys.argv[1:])
     args = [a for a in sys.argv[1:] if a not in {"--verbose", "-v"}]
-    from yoloaccum.signals import Interrupted
+    from yoloaccum.process.signals import Interrupted
 
     try:
         _check_dashes(args)

@@ -1,0 +1,70 @@
+"""`yoloaccum train` (api.train): resolve the run (a resume, torchrun's restart, several devices), train it, and
+say where its weights are."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from yoloaccum.commands.launch import relaunch_on_several_devices
+from yoloaccum.commands.result import TrainResult, result_of_folder
+from yoloaccum.config.settings import Config, dropped_note, resolve
+from yoloaccum.core import schedule as schedule_
+from yoloaccum.distributed import ddp as distributed
+from yoloaccum.distributed import elastic
+from yoloaccum.errors import UserError
+from yoloaccum.model import compiler
+from yoloaccum.training import resume
+from yoloaccum.training.trainer import Trainer
+
+
+def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
+    """api.train's work: train `cfg`, resolved from the keys `given` (or the run they resume), and say where the
+    weights are. With several devices outside torchrun, torchrun runs the ranks and this process waits."""
+    ckpt, path = None, None
+    if not cfg.resume and (folder := elastic.restarted_run(cfg.project)) is not None:
+        given = elastic_continuation(folder, given)
+        cfg = resolve(overrides=given)
+    if cfg.resume:
+        cfg, ckpt, path = resume.load(cfg, given)
+    if cfg.data is None:
+        raise UserError("train needs a dataset: give data=path/to/dataset.yaml (e.g. data=datasets/shapes.yaml)")
+    if cfg.rect:
+        raise UserError(
+            "rect=True trains on batches of similar aspect ratio in a fixed order, which yoloaccum does not do: its "
+            "training batches are shuffled by seed and mosaicked, and its validation batches are rectangular "
+            "already; remove rect"
+        )
+    cfg = cfg.replace(device=distributed.resolve_device(cfg.device))  # empty: the first GPU where there is one
+    compiler.check(cfg)
+    schedule_.check_precise_bn(cfg)  # before any folder, model or rank: the schedule checks it again, for plan
+    if (folder := relaunch_on_several_devices(cfg, given)) is not None:  # device=0,1,... outside torchrun
+        return result_of_folder(folder)
+    if int(os.environ.get("RANK", "0")) == 0:
+        if ckpt is not None and (note := resume.extension_note(ckpt["yoloaccum"], cfg)):
+            print(note, flush=True)
+        if note := dropped_note(cfg):
+            print(note, flush=True)
+    trainer = Trainer.from_config(cfg, ckpt, path)
+    try:
+        metrics = trainer.train()
+        if trainer.run is not None:
+            trainer.plot_schedule()
+            trainer.run.finish(trainer.evaluator, trainer.cfg)
+        return TrainResult(metrics, trainer.run.path if trainer.run else None)
+    finally:
+        distributed.cleanup()
+
+
+def elastic_continuation(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a job torchrun restarted: resume from its run's last.pt, or, where the first attempt wrote
+    none, train again from the start in the same folder."""
+    last = folder / "weights/last.pt"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if int(os.environ.get("RANK", "0")) == 0:
+        went_on = f"resuming from {last}" if last.exists() else f"starting again in {folder} (no last.pt yet)"
+        print(f"torchrun restarted this job (restart {restart}): {went_on}", flush=True)
+    if last.exists():
+        return {**given, "resume": str(last)}
+    return {**given, "project": str(folder.parent), "name": folder.name, "exist_ok": True}

@@ -1,0 +1,51 @@
+"""How the process keeps memory while training: glibc's thresholds on the CPU, and the objects alive at the start
+hidden from the cyclic garbage collector."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# glibc's mallopt() parameters (malloc.h). 32 MiB is the largest mmap threshold older glibc accepts (HEAP_MAX_SIZE / 2);
+# tensors above it still come and go with mmap, as by default.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_BYTES, _TRIM_BYTES = 32 << 20, 256 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc keep freed memory for reuse, instead of giving it back to the kernel after every micro-batch.
+
+    By default glibc serves each large tensor with a fresh mmap, or trims the heap when a micro-batch's activations
+    are freed, and the next micro-batch faults every page in again; with these thresholds the faults and their kernel
+    time mostly go (measured on 2 CPU cores, docs/performance.md). The setting is process-wide and stays, so the
+    trainer applies it only when training on the CPU, where it was measured: on CUDA the activations live on the
+    device, and each forked loader worker would keep up to the trim threshold of freed heap. Returns whether glibc
+    accepted it: False where the C library is not glibc (with jemalloc or tcmalloc preloaded it returns True but
+    changes nothing).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Hide every object alive now (modules, dataset, labels: hundreds of thousands of them) from the cyclic garbage
+    collector while training. A full collection would otherwise walk them all at some iteration, a stall measured on
+    the CPU (docs/performance.md), and in each loader worker, forked from this process, copy every page it touched.
+
+    It is kept on CUDA too: it changes no computation, only which objects the collector scans, and freezing before
+    the loader forks its workers is what Python's gc documentation advises to keep the children's pages shared."""
+    if gc.get_freeze_count():  # frozen by whoever runs us: theirs to undo, not ours
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
