@@ -197,13 +197,15 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
     batches = on_device(real_batches(data, imgsz, cfg.batch, iterations + 2))
     img_s, bare = [], []
 
-    class WithBareLimit(trainer.Trainer):
-        def end_epoch(self, epoch: int, images_per_second: float) -> str | None:
-            img_s.append(images_per_second)
-            bare.append(bare_pass(self.raw_model, self.loss, batches))
-            return super().end_epoch(epoch, images_per_second)
+    run = trainer.Trainer.from_config(cfg)
 
-    WithBareLimit.from_config(cfg).train()
+    def with_bare_limit(end, decided):  # an end-of-epoch step of its own, first: before validation and saving
+        img_s.append(end.images_per_second)
+        bare.append(bare_pass(run.parts.raw_model, run.parts.loss, batches))
+        return decided
+
+    run.epoch_end.insert(0, with_bare_limit)
+    run.train()
     workers = loader_workers(TRAIN_ARGS["workers"], DEVICE)  # what its loader ran with
     return {"img_s": img_s[-1], "bare_limit_img_s": (bare[-2] + bare[-1]) / 2, "threads": torch.get_num_threads(),
             "workers": workers}  # fmt: skip
@@ -260,14 +262,10 @@ def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction:
     cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + ["verbose=False", f"project={tempfile.mkdtemp()}"])
     img_s = []
 
-    class Recorded(trainer.Trainer):
-        def end_epoch(self, epoch: int, images_per_second: float) -> str | None:
-            img_s.append(images_per_second)
-            return super().end_epoch(epoch, images_per_second)
-
-    run = Recorded.from_config(cfg)
+    run = trainer.Trainer.from_config(cfg)
+    run.add_step(lambda end, decided: img_s.append(end.images_per_second) or decided)
     run.train()
     if compile and run.compiled is None:
         raise RuntimeError("compile=True fell back to eager, with the warning printed above")
     return {"img_s": img_s[-1], "epochs_img_s": img_s, "compile_s": run.compiled.seconds if compile else 0.0,
-            "images": len(run.train_set)}  # fmt: skip
+            "images": len(run.parts.train_set)}  # fmt: skip

@@ -167,7 +167,7 @@ def scaler(run):
     import yoloaccum.config.ultra  # noqa: F401
     from yoloaccum.model import checkpoint
 
-    state = checkpoint.load(Path(run) / "weights/last.pt")["yoloaccum"]["scaler"]
+    state = checkpoint.load(Path(run) / "weights/last.pt")["yoloaccum"]["engine"]["scaler"]
     if not state:
         return "FAIL", "last.pt holds an empty scaler state: AMP was not on"
     with open(Path(run) / "schedule.csv") as f:

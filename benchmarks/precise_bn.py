@@ -49,30 +49,18 @@ def cost(data: Path, settings: dict, epochs: int) -> dict:
     cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + [f"project={tempfile.mkdtemp()}", "name=cost"])
     times: dict[str, list[float]] = {"train": [], "precise_bn": [], "validation": [], "draw": []}
 
-    def timed(step, name: str):
-        def run_step(t, end):
-            start = time.perf_counter()
-            step(t, end)
-            times[name].append(time.perf_counter() - start)
-
-        return run_step
-
-    class Timed(trainer.Trainer):
-        def train_epoch(self, *args):
-            start = time.perf_counter()
-            out = super().train_epoch(*args)
-            times["train"].append(time.perf_counter() - start)
-            return out
-
-    run = Timed.from_config(cfg)
+    run = trainer.Trainer.from_config(cfg)
     start = time.perf_counter()
-    run.precise_bn.draw(run)  # the draw, once, timed apart from the recomputes
+    run.precise_bn.draw()  # the draw, once, timed apart from the recomputes
     times["draw"].append(time.perf_counter() - start)
-    names = {run.precise_bn: "precise_bn", epoch_end.validate: "validation"}
-    run.epoch_end = [timed(step, names[step]) if step in names else step for step in run.epoch_end]
+    names = {epoch_end.PreciseBN: "precise_bn", epoch_end.Validate: "validation"}
+    run.epoch_end = [
+        epoch_end.timed(step, times[names[type(step)]]) if type(step) in names else step for step in run.epoch_end
+    ]
+    run.add_step(lambda end, decided: times["train"].append(end.train_seconds) or decided)
     run.train()
     images = int(len(run.precise_bn.images)) if cfg.precise_bn else 0
-    return {"images": images, "train_images": len(run.train_set), **times}
+    return {"images": images, "train_images": len(run.parts.train_set), **times}
 
 
 def where(imgsz: int = 160, n: int = 256, repeats: int = 5) -> dict:

@@ -14,9 +14,8 @@ from torch import nn
 
 from yoloaccum.config import settings as config
 from yoloaccum.core import schedule
-from yoloaccum.core.engine import AMP_SCALE_FLOOR, Engine
+from yoloaccum.core.engine import AMP_SCALE_FLOOR, Engine, load_scaler_state
 from yoloaccum.distributed import ddp as distributed
-from yoloaccum.training.state import load_scaler_state
 
 CPU = distributed.Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

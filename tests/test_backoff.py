@@ -79,4 +79,4 @@ def test_cli_back_off_ends_with_the_weights_of_a_run_at_half_the_micro_batch(exa
         (8, 4, 32)
     ] * 2
     state = torch.load(tmp_path / "oom/weights/last.pt", map_location="cpu", weights_only=False)["yoloaccum"]
-    assert state["ranks"][0]["back_offs"] == [1]  # a resumed run keeps the halved micro-batch
+    assert state["ranks"][0]["engine"]["back_offs"] == [1]  # a resumed run keeps the halved micro-batch

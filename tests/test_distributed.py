@@ -152,7 +152,7 @@ def test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights(two_ra
     from yoloaccum.model import checkpoint
 
     state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
-    assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}, r.stderr[-3000:]
+    assert state["interrupted"] and state["training"]["position"] == {"epoch": 1, "batch": 4}, r.stderr[-3000:]
     assert len(state["ranks"]) == 2 and state["ranks"][0]["rng"]["python"] != state["ranks"][1]["rng"]["python"]
     shutil.copytree(tmp_path / "sig", tmp_path / "one")
     r = torchrun(2, "-m", "yoloaccum", "train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL)

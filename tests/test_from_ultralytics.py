@@ -128,10 +128,14 @@ def test_fine_tune_frozen_stops_on_time_and_resumes_with_the_frozen_layers_bitwi
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     source = checkpoint.model_of(checkpoint.load(pretrained_pt)).state_dict()
     done = checkpoint.load(last)
-    assert done["yoloaccum"]["finished"] and done["yoloaccum"]["position"]["epoch"] == 2
+    assert done["yoloaccum"]["finished"] and done["yoloaccum"]["training"]["position"]["epoch"] == 2
     best = checkpoint.load(tmp_path / "ft/weights/best.pt")["model"].float().state_dict()
     frozen = freeze.prefixes(10)
-    for name, weights in (("model", done["yoloaccum"]["model"]), ("ema", done["yoloaccum"]["ema"]), ("best", best)):
+    for name, weights in (
+        ("model", done["yoloaccum"]["model"]),
+        ("ema", done["yoloaccum"]["ema"]["weights"]),
+        ("best", best),
+    ):
         keys = [k for k in weights if freeze.is_frozen(k, frozen)]
         assert any(k.endswith("running_var") for k in keys)
         reference = {k: source[k].half().float() if name == "best" else source[k] for k in keys}
@@ -153,7 +157,7 @@ def test_save_minutes_survives_sigkill_and_resumes_bitwise(data, tmp_path, run_c
     killed = run_cli(*recipe, "name=killed", "save_minutes=0.0001", env={**SERIAL, "YOLOACCUM_FAULT": "kill@10"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     last = tmp_path / "killed/weights/last.pt"
-    assert checkpoint.load(last)["yoloaccum"]["position"] == {"epoch": 1, "batch": 2}
+    assert checkpoint.load(last)["yoloaccum"]["training"]["position"] == {"epoch": 1, "batch": 2}
     r = run_cli("train", f"resume={last}", env=SERIAL, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert relative_difference(final_weights(tmp_path / "killed"), final_weights(tmp_path / "whole")) == 0.0

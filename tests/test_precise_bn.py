@@ -156,12 +156,12 @@ def test_the_kept_images_are_drawn_from_the_seed_alone_and_leave_training_random
     trainer = Trainer.from_config(cfg)
     step = trainer.precise_bn
     before = _random_states()
-    step.recompute(trainer)
+    step.recompute()
     assert _random_states() == before
     assert step.images.shape == (10, 3, 64, 64) and step.batch == precise_bn.BATCH
-    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 10, 0, 1))
+    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.parts.spec, 10, 0, 1))
     torch.manual_seed(123)  # another moment of training: the draws do not depend on it
-    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.spec, 10, 0, 1))
+    assert torch.equal(step.images, data.precise_bn_images(cfg, trainer.parts.spec, 10, 0, 1))
 
 
 def test_the_images_are_the_same_on_any_number_of_ranks(tmp_path):

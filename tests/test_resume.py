@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PLUMBING, REPO, SERIAL, final_weights, offline_env, relative_difference, shapes_yaml
+from conftest import PLUMBING, REPO, SERIAL, TINY_MODEL, final_weights, offline_env, relative_difference, shapes_yaml
 
 from yoloaccum.config import settings as config
 from yoloaccum.core import schedule
@@ -56,6 +56,25 @@ def test_resume_after_epoch_2_ends_with_the_uninterrupted_weights(uninterrupted,
 
 
 @pytest.mark.numerics
+def test_a_last_pt_of_format_4_resumes_bitwise(data, uninterrupted, tmp_path, run_cli):
+    """tests/fixtures/format4-epoch2.pt is epoch2.pt of this file's uninterrupted run (the same data, model and
+    settings), written by yoloaccum 95a1a9a, the last to write format 4 (each part's fields side by side). Resumed
+    by today's reader, it ends bitwise where today's uninterrupted run ends. Its config names the folders it was
+    written in: they are pointed at this test's."""
+    ckpt = checkpoint.load(REPO / "tests/fixtures/format4-epoch2.pt")
+    assert ckpt["yoloaccum"]["format"] == 4 and "training" not in ckpt["yoloaccum"]
+    here = {"data": str(data), "model": TINY_MODEL, "project": str(tmp_path), "name": "old"}
+    ckpt["yoloaccum"]["config"] = {**ckpt["yoloaccum"]["config"], **here}
+    run = tmp_path / "old"
+    checkpoint.save_atomic(ckpt, run / "weights/last.pt")
+    r = run_cli("train", f"resume={run / 'weights/last.pt'}", env=SERIAL, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" in r.stdout and "epoch 3" in r.stdout
+    assert relative_difference(final_weights(run), final_weights(uninterrupted)) == 0.0  # bitwise
+    assert checkpoint.load(run / "weights/last.pt")["yoloaccum"]["format"] == state.FORMAT
+
+
+@pytest.mark.numerics
 def test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights(data, uninterrupted, tmp_path, run_cli):
     """A SIGINT in the middle of epoch 2 stops at the end of its window and the resumed run ends bitwise where the
     uninterrupted one does. The run sends it to itself at iteration 8 (YOLOACCUM_FAULT), so it lands in a known
@@ -67,7 +86,10 @@ def test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights(data, uninterrup
     assert r.returncode == 130, r.stderr[-2000:]
     assert "resume with: yoloaccum train resume=" in r.stderr
     state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
-    assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}  # the window of ni 8 ends at 9
+    assert state["interrupted"] and state["training"]["position"] == {
+        "epoch": 1,
+        "batch": 4,
+    }  # the window of ni 8 ends at 9
     r = run_cli("train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert relative_difference(final_weights(tmp_path / "sig"), final_weights(uninterrupted)) == 0.0
@@ -78,7 +100,10 @@ def test_sigterm_exits_143_with_a_resumable_checkpoint(data, tmp_path, run_cli):
                 timeout=600)  # fmt: skip
     assert r.returncode == 143, r.stderr[-2000:]
     state = checkpoint.load(tmp_path / "term/weights/last.pt")["yoloaccum"]
-    assert state["interrupted"] and state["position"] == {"epoch": 1, "batch": 4}  # the window of ni 8 ends at 9
+    assert state["interrupted"] and state["training"]["position"] == {
+        "epoch": 1,
+        "batch": 4,
+    }  # the window of ni 8 ends at 9
 
 
 def test_a_signal_after_the_epochs_last_window_stops_after_validation(data, tmp_path):
@@ -94,7 +119,7 @@ def test_a_signal_after_the_epochs_last_window_stops_after_validation(data, tmp_
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
     state = checkpoint.load(tmp_path / "val/weights/last.pt")["yoloaccum"]
-    assert state["position"] == {"epoch": 1, "batch": 0}  # not a window into epoch 2
+    assert state["training"]["position"] == {"epoch": 1, "batch": 0}  # not a window into epoch 2
 
 
 def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_path):
@@ -134,8 +159,13 @@ def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_o
     path = uninterrupted / "weights/last.pt"
     ckpt = checkpoint.load(path)
     assert ckpt["yoloaccum"]["format"] == state.FORMAT
-    before_versions = {k: v for k, v in ckpt["yoloaccum"].items() if k != "format"}  # format 1: no version in it
-    assert state.read({**ckpt, "yoloaccum": before_versions}, path)["format"] == state.FORMAT
+    old = checkpoint.load(REPO / "tests/fixtures/format4-epoch2.pt")  # format 4: each part's fields side by side
+    before_versions = {k: v for k, v in old["yoloaccum"].items() if k not in ("format", "bn")}  # format 1: no version
+    for entry in (old["yoloaccum"], before_versions):
+        read = state.read({**old, "yoloaccum": entry}, path)
+        assert read["format"] == state.FORMAT and read.keys() == ckpt["yoloaccum"].keys()
+        assert read["training"]["position"] == {"epoch": 2, "batch": 0} and read["engine"]["skipped_in_a_row"] == 0
+        assert read["ema"]["updates"] == old["updates"] and read["training"]["best_fitness"] == old["best_fitness"]
     newer = tmp_path / "run/weights/last.pt"
     checkpoint.save_atomic({**ckpt, "yoloaccum": {**ckpt["yoloaccum"], "format": state.FORMAT + 1}}, newer)
     r = cli_in_process("train", f"resume={newer}", "epochs=6")
@@ -157,8 +187,9 @@ def test_a_run_resumes_with_the_batchnorm_mode_it_trained_with_also_from_a_file_
     tuned = {**saved, "config": {**saved["config"], "model": "weights.pt"}, "bn": "batch"}
     assert config.Config(tuned["config"]).from_weights and schedule.bn_mode("auto", micro) == "window"
     assert state.read({**ckpt, "yoloaccum": tuned}, path)["bn"] == "batch"
-    before = {k: v for k, v in saved.items() if k != "bn"}
-    assert state.read({**ckpt, "yoloaccum": {**before, "format": 3}}, path)["bn"] == "window"
+    old = checkpoint.load(REPO / "tests/fixtures/format4-epoch2.pt")  # the same run's settings, in format 4
+    before = {k: v for k, v in old["yoloaccum"].items() if k != "bn"}
+    assert state.read({**old, "yoloaccum": {**before, "format": 3}}, path)["bn"] == "window"
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_how_it_trained(uninterrupted, tmp_path):
@@ -229,7 +260,7 @@ def test_resume_true_picks_the_newest_run(uninterrupted, tmp_path, run_cli):
     r = run_cli("train", "resume=True", f"project={project}", env={"YOLOACCUM_FAULT": "sigint@12"}, timeout=600)
     assert r.returncode == 130, r.stderr[-2000:]
     assert f"resuming {newer}" in r.stdout.replace("\n", "")
-    assert checkpoint.load(newer / "weights/last.pt")["yoloaccum"]["position"] == {"epoch": 2, "batch": 2}
+    assert checkpoint.load(newer / "weights/last.pt")["yoloaccum"]["training"]["position"] == {"epoch": 2, "batch": 2}
 
 
 def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
@@ -239,7 +270,7 @@ def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
     # One epoch, so no warmup: windows of 2 micro-batches; the one holding ni=2 ends at ni=3.
     assert "iteration 3: non-finite loss, window skipped (1 so far)" in r.stdout  # a NaN input: the loss says it
     state = checkpoint.load(tmp_path / "nan/weights/last.pt")["yoloaccum"]
-    assert state["skipped_windows"] == [3]
+    assert state["engine"]["skipped_windows"] == [3]
     header, row = (line.split(",") for line in (tmp_path / "nan/results.csv").read_text().splitlines())
     train_losses = [float(v) for k, v in zip(header, row) if k.startswith("train/")]
     assert len(train_losses) == 3 and all(map(math.isfinite, train_losses))  # the skipped window is not averaged in
@@ -253,7 +284,7 @@ def test_nan_patience_stops_the_run_with_the_last_good_state(data, tmp_path, run
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: training diverged: 2 windows in a row"), r.stderr
     state = checkpoint.load(tmp_path / "diverged/weights/last.pt")["yoloaccum"]
-    assert state["skipped_windows"] == [7, 9]  # windows of 2 micro-batches end at odd ni after warmup
+    assert state["engine"]["skipped_windows"] == [7, 9]  # windows of 2 micro-batches end at odd ni after warmup
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
@@ -363,8 +394,8 @@ def test_remainder_carry_keeps_a_window_left_open_at_a_stop(data, tmp_path, run_
     r = run_cli("train", *carry, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@11"}, timeout=600)
     assert r.returncode == 130, r.stderr[-2000:]
     state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
-    assert state["position"] == {"epoch": 2, "batch": 0}
-    assert state["ranks"][0]["open_window"]["micro_batches"] == 1
+    assert state["training"]["position"] == {"epoch": 2, "batch": 0}
+    assert state["ranks"][0]["engine"]["open_window"]["micro_batches"] == 1
     r = run_cli("train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert relative_difference(final_weights(tmp_path / "sig"), final_weights(tmp_path / "full")) == 0.0

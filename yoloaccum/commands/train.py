@@ -49,10 +49,11 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
     trainer = Trainer.from_config(cfg, ckpt, path)
     try:
         metrics = trainer.train()
-        if trainer.run is not None:
+        run = trainer.parts.run
+        if run is not None:
             trainer.plot_schedule()
-            trainer.run.finish(trainer.evaluator, trainer.cfg)
-        return TrainResult(metrics, trainer.run.path if trainer.run else None)
+            run.finish(trainer.parts.evaluator, cfg)
+        return TrainResult(metrics, run.path if run else None)
     finally:
         distributed.cleanup()
 

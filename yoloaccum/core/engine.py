@@ -4,7 +4,7 @@ The Engine knows nothing of datasets, YOLO or checkpoints. It takes any model, b
 tensor (cut into micro-batches by micro_batch.split_batch when it backs off), and any loss that follows the WindowLoss
 protocol (`loss(preds, batch) -> (loss, items, counts)` and `loss.normalise_gradients(counts, world)`), so tests can
 drive the same code with a toy model. It owns its out-of-memory back-off: a window that runs out of device memory
-is dropped and run again at half the micro-batch (_back_off), and what that leaves is in state_dict().
+is dropped and run again at half the micro-batch (_back_off), and what that leaves is in rank_state_dict().
 """
 
 from __future__ import annotations
@@ -371,10 +371,27 @@ class Engine:
         self.window_batches = None  # its first batches ran before the stop: an out-of-memory error cannot replay it
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state for last.pt: its part of an open window, and its back-offs (each halves on resume)."""
-        return {"open_window": self.open_window(), "back_offs": list(self.back_offs)}
+        """The state every rank shares, for last.pt: the optimizer, the loss scale, the windows skipped as non-finite
+        and how many of the last ones in a row (nan_patience's count goes on across a resume)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "skipped_windows": list(self.skipped),
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if note := load_scaler_state(self.scaler, state["scaler"]):
+            self.log(note)
+        self.skipped = list(state["skipped_windows"])
+        self.skipped_in_a_row = state["skipped_in_a_row"]
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's own state for last.pt: its part of an open window, and its back-offs (each halves on resume)."""
+        return {"open_window": self.open_window(), "back_offs": list(self.back_offs)}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         self.restore_window(state["open_window"])
         self.back_offs = list(state["back_offs"])
         self.split = 2 ** len(self.back_offs)
@@ -382,3 +399,15 @@ class Engine:
     def _scale(self) -> float:
         """What the loss is multiplied by before backward: GradScaler's scale with AMP, else 1."""
         return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, state: dict[str, Any]) -> str | None:
+    """Load last.pt's GradScaler state into `scaler`, across AMP settings; returns a line saying what changed, if
+    anything. A run saved without AMP (every CPU run) holds an empty state, which GradScaler.load_state_dict refuses:
+    resumed with AMP, its scale starts where GradScaler starts. A run saved with AMP and resumed without drops it."""
+    if not scaler.is_enabled():
+        return "resuming without AMP: the saved loss scale is not used" if state else None
+    if not state:
+        return f"resuming with AMP a run that trained without it: the loss scale starts at {scaler.get_scale():g}"
+    scaler.load_state_dict(state)
+    return None

@@ -129,7 +129,7 @@ def stripped(ckpt: dict[str, Any]) -> dict[str, Any]:
         "yoloaccum": {
             "config": ours["config"],
             "stripped": True,
-            "epochs_done": ours["position"]["epoch"],
+            "epochs_done": ours["training"]["position"]["epoch"],
             "fitness": ckpt["best_fitness"],
         },
     }

@@ -31,7 +31,6 @@ from yoloaccum.data import batches
 from yoloaccum.distributed import ddp as distributed
 from yoloaccum.errors import UserError
 from yoloaccum.model import build as model_
-from yoloaccum.model import freeze
 from yoloaccum.process import rng
 
 # One graph per micro-batch size (False), or one with a dynamic batch dimension (True): see docs/compile.md for
@@ -75,7 +74,9 @@ class Compiled:
         return f"compiled ({self.mode}, {shape}) for micro-batches of {sizes} in {self.seconds:.1f} s"
 
 
-def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) -> Compiled | None:
+def for_run(
+    cfg: Config, engine, num_images: int, say: Callable[[str], None], bn: str, frozen: tuple[str, ...] = ()
+) -> Compiled | None:
     """compile= for a run: the engine's model compiled before the first epoch, in the modes it trains in, for every
     micro-batch size any rank will run: the loader's (the same list on all ranks, so that collectives inside the
     forward, such as SyncBatchNorm's, stay matched), cut as a resumed out-of-memory back-off cuts them. All ranks
@@ -95,7 +96,7 @@ def for_run(cfg: Config, engine, num_images: int, say: Callable[[str], None]) ->
     sizes = sorted({p for n in loader_sizes for p in schedule.cut_sizes(n, engine.split)}, reverse=True)
     say(f"compile={mode}: compiling the model for micro-batches of {' and '.join(map(str, sizes))}...")
     engine.model.train()  # BatchNorm's mode is part of the graph: compile the one that trains
-    model_.set_bn_mode(engine.model, cfg.bn, freeze.prefixes(cfg.freeze))
+    model_.set_bn_mode(engine.model, bn, frozen)  # the mode in force (bn=auto resolved), as train_epoch sets it
     try:
         with rng.rng_kept():  # compiling draws no training random numbers: make sure of it
             compiled = compile_model(model, mode, sizes, cfg.imgsz, ctx.device, engine.autocast_dtype, warn)

@@ -1,12 +1,12 @@
 """A run's parts, built in the order the data flows through them: process group, dataset, run folder, model, EMA,
 loss, micro-batch, schedule, loader, engine, evaluator. The trainer, the tests and the benchmarks build runs here.
 
-Nothing here trains; Trainer (trainer.py) runs the parts, and state.py puts a checkpoint's state back into them.
+Nothing here trains; Trainer (trainer.py) composes the parts and runs them, and state.py puts a checkpoint's state
+back into them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,41 +16,19 @@ from yoloaccum.batchnorm import window as norm
 from yoloaccum.config.settings import Config
 from yoloaccum.core import loss, precision
 from yoloaccum.core import schedule as schedule_
+from yoloaccum.core.ema import EMA
 from yoloaccum.core.engine import Engine
-from yoloaccum.core.schedule import Schedule
 from yoloaccum.data import batches
 from yoloaccum.data import datasets as data
 from yoloaccum.distributed import ddp as distributed
-from yoloaccum.distributed.ddp import Context
 from yoloaccum.evaluation.validate import Evaluator
 from yoloaccum.model import autobatch, freeze
 from yoloaccum.model import build as model_
 from yoloaccum.process.memory import keep_freed_memory
 from yoloaccum.process.rng import seed_everything
 from yoloaccum.training import resume
+from yoloaccum.training.parts import Parts
 from yoloaccum.training.runs import RunDir
-
-
-@dataclass(eq=False)
-class Parts:
-    """Everything a run is made of. `run` and `evaluator` exist on rank 0 alone, which owns the run folder and
-    validates; every other part exists on every rank."""
-
-    cfg: Config
-    ctx: Context
-    spec: data.DatasetSpec
-    train_set: Any  # Ultralytics' YOLODataset
-    run: RunDir | None
-    raw_model: torch.nn.Module  # the parameters; engine.model is what runs forward (DDP's wrapper under torchrun)
-    bn: str  # the BatchNorm mode in force: cfg.bn, with auto resolved (schedule.bn_mode)
-    frozen: tuple[str, ...]  # the module-name prefixes of the layers freeze= froze (freeze.py)
-    ema: Any  # Ultralytics' ModelEMA
-    loss: loss.WindowLoss
-    batch_choice: autobatch.Choice | None  # batch=-1 or a fraction: what was measured; None for batch=N
-    schedule: Schedule
-    loader: torch.utils.data.DataLoader
-    engine: Engine
-    evaluator: Evaluator | None
 
 
 def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | None = None) -> Parts:
@@ -83,11 +61,9 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
 
 def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
     """build()'s parts from the model on, once the run folder exists."""
-    from ultralytics.utils.torch_utils import ModelEMA
-
     if cfg.channels_last:  # NHWC convolutions run forward and backward faster (docs/performance.md)
         raw_model.to(memory_format=torch.channels_last)
-    ema = ModelEMA(raw_model)  # before the criterion is attached, so the EMA copy carries none
+    ema = EMA(raw_model)  # before the criterion is attached, so the EMA copy carries none
     if frozen:
         freeze.keep_in_ema(ema, raw_model, frozen)
     if cfg.grad_checkpointing:  # after the EMA copy, which only evaluates

@@ -61,7 +61,7 @@ def load(cfg: Config, given_keys: Iterable[str]) -> tuple[Config, dict[str, Any]
     ckpt = checkpoint.load(path, cfg.trust_weights)
     state = ckpt["yoloaccum"] = state_.read(ckpt, path)
     saved, given = state["config"], {k: cfg[k] for k in given_keys if k in cfg}
-    run, done = path.parent.parent, state["position"]["epoch"]
+    run, done = path.parent.parent, state["training"]["position"]["epoch"]
     extend = "epochs" in given and given["epochs"] != saved["epochs"]
     if extend and (not isinstance(given["epochs"], int) or given["epochs"] <= done):
         raise UserError(
@@ -108,7 +108,7 @@ def resumed_schedule(state: dict[str, Any], built: Schedule, nc: int, follow_epo
 def extension_note(state: dict[str, Any], cfg: Config) -> str | None:
     """What continuing to cfg.epochs does, in Ultralytics' terms; None when epochs is as saved."""
     saved = state.get("schedule") or state["config"]
-    planned, epochs, done, close = saved["epochs"], cfg.epochs, state["position"]["epoch"], cfg.close_mosaic
+    planned, epochs, done, close = saved["epochs"], cfg.epochs, state["training"]["position"]["epoch"], cfg.close_mosaic
     if epochs == planned:
         return None
     decay = "cosine" if cfg.cos_lr else "linear"

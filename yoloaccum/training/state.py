@@ -1,9 +1,12 @@
-"""The training state in last.pt: its one writer (`of`) and its one reader (`read`, then `restore`).
+"""The training state in last.pt: what each part of a run gives by its state_dict(), by name (`of`), read back in
+the current format (`read`) and put back into the parts (`restore`).
 
 A checkpoint (last.pt) is Ultralytics' dict (a half-precision `ema` model, `train_args`, `epoch`, ...), so that it
-opens in ultralytics.YOLO, plus a `yoloaccum` entry holding what an exact resume needs in plain tensors and numbers:
-the fp32 model and EMA weights, the optimizer, scaler, schedule, position, early-stopping state, and each rank's own
-state (random states, mosaic buffer, its part of an open window, its out-of-memory back-offs).
+opens in ultralytics.YOLO, derived from ours in one place (`ultralytics_entries`), plus a `yoloaccum` entry holding
+what an exact resume needs in plain tensors and numbers: `{part: part.state_dict()}` for the training state
+(position, early stopping, the best fitness, the last metrics), the model, the EMA, the engine (optimizer, loss
+scale, skipped windows and their streak) and each rank's own state (random states, mosaic buffer, its part of an open
+window, its out-of-memory back-offs), beside the run's config, schedule and BatchNorm mode.
 
 The entry is versioned by its `format` (FORMAT):
 - format 1: last.pt files written before the entry carried a version; the layout of format 2, converted on reading;
@@ -13,6 +16,9 @@ The entry is versioned by its `format` (FORMAT):
 - format 4: adds `bn`, the BatchNorm mode in force (bn=auto resolved), which a resumed run keeps whatever its devices
   and whatever bn=auto takes today (for a while bn=auto of a run from trained weights took bn=batch at any
   micro-batch); an earlier file's is the mode its bn=auto chose then, by micro-batch alone;
+- format 5: each part's state_dict() under its name, where formats 1 to 4 kept the parts' fields side by side (and the
+  best fitness, metrics and EMA updates only in Ultralytics' entries); adds the engine's streak of skipped windows,
+  which an earlier file's resume starts at 0, as it did;
 - before format 1, one set of random states for all ranks (no `ranks`): refused, as nothing can rebuild the others.
 """
 
@@ -23,64 +29,72 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from yoloaccum.core.schedule import bn_mode
 from yoloaccum.errors import UserError
 from yoloaccum.model import checkpoint
 from yoloaccum.process.rng import restore_rng, rng_state
 
 if TYPE_CHECKING:
-    from yoloaccum.training.epoch_end import Run
+    from yoloaccum.training.parts import Parts
+    from yoloaccum.training.training_state import TrainingState
 
-FORMAT = 4  # the training state's layout, written into every last.pt (the module docstring lists the formats)
+FORMAT = 5  # the training state's layout, written into every last.pt (the module docstring lists the formats)
 
 
-def of(t: Run, position: tuple[int, int], finished: bool = False, interrupted: bool = False) -> dict[str, Any]:
-    """The checkpoint of trainer `t` at `position` (epoch, micro-batches of it done): Ultralytics' entries for predict
-    and export, and ours for an exact resume. `t.rank_states` holds every rank's own state, gathered to rank 0."""
+def of(
+    parts: Parts,
+    training: TrainingState,
+    ranks: list[dict[str, Any]],
+    finished: bool = False,
+    interrupted: bool = False,
+) -> dict[str, Any]:
+    """The checkpoint of a run's parts at the training state's position: each part's state_dict() by name, and
+    Ultralytics' entries for predict and export. `ranks` holds every rank's rank_state(), gathered to rank 0."""
+    parts.ema.update_attr(parts.raw_model, include=["yaml", "nc", "args", "names", "stride"])
+    ours = {
+        "format": FORMAT,
+        "config": dict(parts.cfg),
+        "schedule": dataclasses.asdict(parts.schedule),  # as resolved (auto's choice): an extension keeps it
+        "bn": parts.bn,
+        "finished": finished,
+        "interrupted": interrupted,
+        "training": training.state_dict(),
+        "model": parts.raw_model.state_dict(),
+        "ema": parts.ema.state_dict(),
+        "engine": parts.engine.state_dict(),
+        "ranks": ranks,
+    }
+    return {**ultralytics_entries(ours, parts), "yoloaccum": ours}
+
+
+def ultralytics_entries(ours: dict[str, Any], parts: Parts) -> dict[str, Any]:
+    """Ultralytics' top-level keys of a checkpoint, from our entry: what ultralytics.YOLO reads to predict, export or
+    report on the weights. The weights are the EMA's in half precision; the optimizer is ours, in full precision."""
     from yoloaccum.config.ultra import VERSION, ultralytics_args
 
-    t.ema.update_attr(t.raw_model, include=["yaml", "nc", "args", "names", "stride"])
-    training = {**t.state.state_dict(), "position": {"epoch": position[0], "batch": position[1]}}
+    training = ours["training"]
     return {
-        "epoch": position[0] - 1,  # Ultralytics: the last completed epoch
+        "epoch": training["position"]["epoch"] - 1,  # Ultralytics: the last completed epoch
         "best_fitness": training["best_fitness"],
         "model": None,
-        "ema": checkpoint.ultralytics_model(t.ema.ema),
-        "updates": t.ema.updates,
+        "ema": checkpoint.ultralytics_model(parts.ema.ema),
+        "updates": ours["ema"]["updates"],
         "optimizer": None,  # kept in full precision under "yoloaccum" for an exact resume
-        "train_args": vars(ultralytics_args(t.cfg)),
+        "train_args": vars(ultralytics_args(parts.cfg)),
         "train_metrics": training["metrics"],
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "version": VERSION,
         "license": "AGPL-3.0",
-        "yoloaccum": {
-            "format": FORMAT,
-            "config": dict(t.cfg),
-            "schedule": dataclasses.asdict(t.schedule),  # as resolved (auto's choice): an extension keeps it
-            "position": training["position"],
-            "bn": t.bn,
-            "finished": finished,
-            "interrupted": interrupted,
-            "model": t.raw_model.state_dict(),
-            "ema": t.ema.ema.state_dict(),
-            "optimizer": t.engine.optimizer.state_dict(),
-            "scaler": t.engine.scaler.state_dict(),
-            "stopper": training["stopper"],
-            "skipped_windows": list(t.engine.skipped),
-            "ranks": [rank_state(t), *t.rank_states[1:]],  # rank 0's as of now, after validation
-        },
     }
 
 
-def rank_state(t: Run) -> dict[str, Any]:
-    """What each rank holds apart from the others: random states, mosaic buffer, the engine's own (its part of an
-    open window, and the iterations where it ran out of memory)."""
+def rank_state(parts: Parts) -> dict[str, Any]:
+    """What each rank holds apart from the others: random states (its loader's included), mosaic buffer, and the
+    engine's own (its part of an open window, and the iterations where it ran out of memory)."""
     return {
-        "rng": rng_state(t.loader.generator),
-        **t.engine.state_dict(),
-        "mosaic_buffer": list(getattr(t.train_set, "buffer", [])),
+        "rng": rng_state(parts.loader.generator),
+        "mosaic_buffer": list(getattr(parts.train_set, "buffer", [])),
+        "engine": parts.engine.rank_state_dict(),
     }
 
 
@@ -100,7 +114,7 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
             f"(up to {FORMAT}); resume with the yoloaccum that wrote it, or start a new run with "
             f"pretrained={path}"
         )
-    if not state or "position" not in state:
+    if not state or ("position" not in state and "training" not in state):
         raise UserError(f"{path} was not written by yoloaccum train; start a new run with pretrained={path}")
     if "ranks" not in state:
         raise UserError(
@@ -115,7 +129,9 @@ def read(ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
         )
     if version < 4:
         state = {**state, "bn": _bn_before_format_4(state)}
-    return {**state, "format": FORMAT}  # formats 1 to 3 have format 4's layout, less `bn`
+    if version < 5:
+        state = _by_part(ckpt, state)
+    return {**state, "format": FORMAT}
 
 
 def _bn_before_format_4(state: dict[str, Any]) -> str:
@@ -130,58 +146,69 @@ def _bn_before_format_4(state: dict[str, Any]) -> str:
     return bn_mode(bn, micro)
 
 
-def restore(t: Run, ckpt: dict[str, Any]) -> None:
-    """Continue trainer `t` from a checkpoint written by of() and read by read(): weights, optimizer, EMA, scaler,
-    early stopping, position, the logs cut back to it, and this rank's own state."""
+def _by_part(ckpt: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """A format 1-4 entry (the parts' fields side by side, with `bn`) in format 5's layout: each part's state by name.
+    The best fitness, metrics and EMA updates were kept only in Ultralytics' entries; the streak of skipped windows
+    was not kept, and its resume started it at 0."""
+    kept = ("config", "schedule", "bn", "finished", "interrupted")
+    return {
+        **{k: state[k] for k in kept if k in state},
+        "training": {
+            "position": state["position"],
+            "stopper": state["stopper"],
+            "best_fitness": ckpt["best_fitness"],
+            "metrics": ckpt.get("train_metrics") or {},
+        },
+        "model": state["model"],
+        "ema": {"weights": state["ema"], "updates": ckpt["updates"]},
+        "engine": {
+            "optimizer": state["optimizer"],
+            "scaler": state["scaler"],
+            "skipped_windows": state["skipped_windows"],
+            "skipped_in_a_row": 0,
+        },
+        "ranks": [
+            {
+                "rng": r["rng"],
+                "mosaic_buffer": r["mosaic_buffer"],
+                "engine": {"open_window": r.get("open_window"), "back_offs": r.get("back_offs", [])},
+            }
+            for r in state["ranks"]
+        ],
+    }
+
+
+def restore(parts: Parts, training: TrainingState, ckpt: dict[str, Any]) -> None:
+    """Put a checkpoint written by of() and read by read() back into a run's parts and its training state: weights,
+    EMA, engine (optimizer, scaler, skipped windows), position and early stopping, and this rank's own state."""
     state = ckpt["yoloaccum"]
-    t.raw_model.load_state_dict(state["model"])
-    t.ema.ema.load_state_dict(state["ema"])
-    t.ema.updates = ckpt["updates"]
-    t.engine.optimizer.load_state_dict(state["optimizer"])
-    if (note := load_scaler_state(t.engine.scaler, state["scaler"])) and t.run is not None:
-        t.run.console.print(note)
-    t.state.load_state_dict({**state, "best_fitness": ckpt["best_fitness"], "metrics": ckpt.get("train_metrics")})
-    t.engine.skipped = list(state["skipped_windows"])
-    epoch, batch = t.state.position
-    for _ in range(epoch):  # E2ELoss decays its one-to-many gain once per finished epoch
-        t.loss.end_epoch()
-    if t.run is not None:
-        t.run.results.truncate(epoch)
-        t.steps.truncate(epoch * t.schedule.batches_per_epoch + batch)
-        t.run.console.print(f"resuming {t.run.path} at epoch {epoch + 1}, micro-batch {batch}")
-    _restore_rank(t, state["ranks"])
+    parts.raw_model.load_state_dict(state["model"])
+    parts.ema.load_state_dict(state["ema"])
+    parts.engine.load_state_dict(state["engine"])
+    training.load_state_dict(state["training"])
+    for _ in range(training.position[0]):  # E2ELoss decays its one-to-many gain once per finished epoch
+        parts.loss.end_epoch()
+    _restore_rank(parts, state["ranks"])
 
 
-def _restore_rank(t: Run, ranks: list[dict[str, Any]]) -> None:
+def _restore_rank(parts: Parts, ranks: list[dict[str, Any]]) -> None:
     """This rank's own state. On another number of ranks the weights, optimizer, image order and any open window
     continue exactly; the augmentation draws cannot, since each rank now sees other images."""
-    rank, same = t.ctx.rank, len(ranks) == t.ctx.world_size
-    if not same and t.run is not None:
-        t.run.console.print(
-            f"resuming {len(ranks)} rank(s) on {t.ctx.world_size}: the weights, optimizer, image "
+    rank, same = parts.ctx.rank, len(ranks) == parts.ctx.world_size
+    if not same and parts.run is not None:
+        parts.run.console.print(
+            f"resuming {len(ranks)} rank(s) on {parts.ctx.world_size}: the weights, optimizer, image "
             "order and schedule continue exactly; augmentation draws differ from the uninterrupted "
             "run"
         )
     mine = ranks[rank] if rank < len(ranks) else None
-    window = mine["open_window"] if same else None
+    window = mine["engine"]["open_window"] if same else None
     if not same and rank == 0:  # the saved ranks' window, summed, goes to rank 0: the all-reduce sums it with the rest
-        window = merge_windows([r["open_window"] for r in ranks])
-    t.engine.load_state_dict({"open_window": window, "back_offs": mine["back_offs"] if mine else []})
+        window = merge_windows([r["engine"]["open_window"] for r in ranks])
+    parts.engine.load_rank_state_dict({"open_window": window, "back_offs": mine["engine"]["back_offs"] if mine else []})
     if mine is not None:
-        restore_mosaic_buffer(t.train_set, mine["mosaic_buffer"])
-        restore_rng(mine["rng"], t.loader.generator)  # last: building the run consumed random numbers
-
-
-def load_scaler_state(scaler: torch.amp.GradScaler, state: dict[str, Any]) -> str | None:
-    """Load last.pt's GradScaler state into `scaler`, across AMP settings; returns a line saying what changed, if
-    anything. A run saved without AMP (every CPU run) holds an empty state, which GradScaler.load_state_dict refuses:
-    resumed with AMP, its scale starts where GradScaler starts. A run saved with AMP and resumed without drops it."""
-    if not scaler.is_enabled():
-        return "resuming without AMP: the saved loss scale is not used" if state else None
-    if not state:
-        return f"resuming with AMP a run that trained without it: the loss scale starts at {scaler.get_scale():g}"
-    scaler.load_state_dict(state)
-    return None
+        restore_mosaic_buffer(parts.train_set, mine["mosaic_buffer"])
+        restore_rng(mine["rng"], parts.loader.generator)  # last: building the run consumed random numbers
 
 
 def merge_windows(windows: list[dict[str, Any] | None]) -> dict[str, Any] | None:

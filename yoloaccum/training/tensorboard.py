@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from yoloaccum.training.epoch_end import EpochEnd, Run
+    from collections.abc import Iterable
+
+    from yoloaccum.core.window import StepRecord
+    from yoloaccum.training.epoch_end import Decided, EpochEnd
+    from yoloaccum.training.runs import RunDir
 
 
 class TensorBoard:
@@ -26,27 +30,29 @@ class TensorBoard:
         self.writer = SummaryWriter(str(log_dir))
 
     @classmethod
-    def for_run(cls, t: Run) -> TensorBoard | None:
+    def for_run(cls, run: RunDir) -> TensorBoard | None:
         if importlib.util.find_spec("tensorboard") is None:
-            t.run.console.print(
+            run.console.print(
                 "[yellow]warning:[/] tensorboard=True, but the tensorboard package is not installed "
                 "(pip install tensorboard); training without a TensorBoard log"
             )
             return None
-        return cls(t.run.path)
+        return cls(run.path)
 
-    def __call__(self, t: Run, end: EpochEnd) -> None:
-        self.write_steps(t)
-        for key, value in end.row.items():
+    def __call__(self, end: EpochEnd, decided: Decided) -> Decided:
+        self.write_steps(end.steps, end.skipped)
+        for key, value in decided.row.items():
             if key != "epoch":
                 self.writer.add_scalar(key, value, end.epoch + 1)
         self.writer.flush()
+        return decided
 
-    def write_steps(self, t: Run) -> None:
+    def write_steps(self, steps: Iterable[StepRecord], skipped: Iterable[int]) -> None:
         """The optimizer steps of the epoch so far: at its end, or at a stop inside it (where last.pt is written, so
-        that the resumed run logs on from there and no step is logged twice)."""
-        w, skipped = self.writer, sorted(t.engine.skipped)  # every skipped window of the run, also before a resume
-        for r in t.epoch_steps:
+        that the resumed run logs on from there and no step is logged twice). `skipped`: every skipped window of the
+        run, also before a resume."""
+        w, skipped = self.writer, sorted(skipped)
+        for r in steps:
             for i, lr in enumerate(r.lrs):
                 w.add_scalar(f"step/lr/pg{i}", lr, r.ni)
             w.add_scalar("step/momentum", r.momentum, r.ni)
