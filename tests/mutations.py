@@ -77,7 +77,7 @@ MUTATIONS = [
     (
         "state.py: the random states not restored on resume",
         "yoloaccum/training/state.py",
-        '        restore_rng(mine["rng"], t.loader.generator)  # last: building the run consumed random numbers',
+        '        restore_rng(mine["rng"], parts.loader.generator)  # last: building the run consumed random numbers',
         "        pass",
         "tests/test_resume.py::test_resume_after_epoch_2_ends_with_the_uninterrupted_weights",
     ),
@@ -278,10 +278,10 @@ MUTATIONS = [
         "tests/test_norm.py::test_the_engine_passes_over_each_window_before_its_first_micro_step",
     ),
     (
-        "state.py: last.pt keeps rank 0's own state for every rank",
-        "yoloaccum/training/state.py",
-        '            "ranks": [rank_state(t), *t.rank_states[1:]],',
-        '            "ranks": [rank_state(t)] * len(t.rank_states),',
+        "epoch_end.py: last.pt keeps rank 0's own state for every rank",
+        "yoloaccum/training/epoch_end.py",
+        "        return [self.of(), *self.gathered[1:]]",
+        "        return [self.of()] * len(self.gathered)",
         "tests/test_distributed.py::test_torchrun_resume_after_sigint_ends_with_the_uninterrupted_weights",
     ),
     (
@@ -327,10 +327,10 @@ MUTATIONS = [
         "tests/test_precise_bn.py::test_the_variance_includes_the_variance_between_micro_batches",
     ),
     (
-        "epoch_end.py: precise_bn recomputes the training model's statistics instead of the EMA's",
-        "yoloaccum/training/epoch_end.py",
-        "precise_bn.recompute_images(t.ema.ema, self.images, t.ctx, self.batch, t.frozen)",
-        "precise_bn.recompute_images(t.raw_model, self.images, t.ctx, self.batch, t.frozen)",
+        "trainer.py: precise_bn recomputes the training model's statistics instead of the EMA's",
+        "yoloaccum/training/trainer.py",
+        "epoch_end.PreciseBN(count, p.cfg, p.spec, p.ctx, p.ema, p.frozen)",
+        'epoch_end.PreciseBN(count, p.cfg, p.spec, p.ctx, type("EMA", (), {"ema": p.raw_model}), p.frozen)',
         "tests/test_precise_bn.py::test_training_is_the_same_with_and_without_precise_statistics",
     ),
     (
