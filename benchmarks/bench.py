@@ -59,8 +59,9 @@ def fresh(function: str, *args, module: str = "common", env: dict[str, str] | No
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def throughput(models, data: str, imgsz: int, repeats: int, epochs: int, fraction: float,
-               iterations: int) -> list[dict]:  # fmt: skip
+def throughput(
+    models, data: str, imgsz: int, repeats: int, epochs: int, fraction: float, iterations: int
+) -> list[dict]:
     """(a) and (b): each repeat runs yoloaccum's trainer, with the bare limit measured in its process around its last
     epoch, then Ultralytics' trainer, back to back. Both ratios are taken within a repeat."""
     rows = []
@@ -75,16 +76,18 @@ def throughput(models, data: str, imgsz: int, repeats: int, epochs: int, fractio
         ran_with = {
             name: {k: runs[name][0][k] for k in ("threads", "workers")} for name in ("yoloaccum", "ultralytics")
         }
-        rows.append({
-            "model": model,
-            "yoloaccum_img_s": median(ours),
-            "ultralytics_img_s": median(theirs),
-            "bare_limit_img_s": median(bare),
-            "ratio": median(o / t for o, t in zip(ours, theirs)),
-            "fraction_of_bare_limit": median(o / b for o, b in zip(ours, bare)),
-            "ran_with": ran_with,
-            "runs": runs,
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": model,
+                "yoloaccum_img_s": median(ours),
+                "ultralytics_img_s": median(theirs),
+                "bare_limit_img_s": median(bare),
+                "ratio": median(o / t for o, t in zip(ours, theirs)),
+                "fraction_of_bare_limit": median(o / b for o, b in zip(ours, bare)),
+                "ran_with": ran_with,
+                "runs": runs,
+            }
+        )
     return rows
 
 
@@ -112,7 +115,7 @@ def accumulation_overhead(model: str, imgsz: int, micro: int, pairs: int) -> dic
         "seconds_per_image_acc8": median(times[8]) / images,
         "overhead": median(t8 / t1 for t1, t8 in zip(times[1], times[8])) - 1,
         "pairs": pairs,
-    }  # fmt: skip
+    }
 
 
 def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
@@ -122,8 +125,16 @@ def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
     from yoloaccum.data import datasets as data_
     from yoloaccum.data.batches import build_loader
 
-    cfg = config.resolve(overrides=dict(data=data, imgsz=imgsz, batch=micro, workers=TRAIN_ARGS["workers"],
-                                        cache=TRAIN_ARGS["cache"], close_mosaic=0))  # fmt: skip
+    cfg = config.resolve(
+        overrides=dict(
+            data=data,
+            imgsz=imgsz,
+            batch=micro,
+            workers=TRAIN_ARGS["workers"],
+            cache=TRAIN_ARGS["cache"],
+            close_mosaic=0,
+        )
+    )
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     it = iter(build_loader(dataset, cfg, micro, 0, 1, DEVICE))
     next(it)  # workers start
@@ -133,8 +144,15 @@ def data_pipeline(data: str, imgsz: int, micro: int, batches: int) -> float:
     return seen / (time.perf_counter() - start)
 
 
-def peak_memory(model: str, imgsz: int, batch: int, nbs: int, steps: int, function: str = "train_from_memory",
-                on: bool | None = None):  # fmt: skip
+def peak_memory(
+    model: str,
+    imgsz: int,
+    batch: int,
+    nbs: int,
+    steps: int,
+    function: str = "train_from_memory",
+    on: bool | None = None,
+):
     """(c) Peak memory (MB) of a fresh process that trains `steps` micro-batches from memory at batch/nbs: CUDA's
     peak allocation on CUDA, the process's max RSS on the CPU. With function="checkpointing_probe" (g), also what
     that returned, as (MB, result)."""
@@ -155,9 +173,12 @@ def grad_checkpointing(model: str, imgsz: int, batch: int, steps: int) -> dict:
     out = {}
     for on in (False, True):
         peaks = {b: peak_memory(model, imgsz, b, b, steps, function="checkpointing_probe", on=on) for b in (1, batch)}
-        out[f"grad_checkpointing={on}"] = {"peak_mb_batch_1": peaks[1][0], f"peak_mb_batch_{batch}": peaks[batch][0],
-                                           "added_mb": peaks[batch][0] - peaks[1][0],
-                                           "img_s": peaks[batch][1]["img_s"]}  # fmt: skip
+        out[f"grad_checkpointing={on}"] = {
+            "peak_mb_batch_1": peaks[1][0],
+            f"peak_mb_batch_{batch}": peaks[batch][0],
+            "added_mb": peaks[batch][0] - peaks[1][0],
+            "img_s": peaks[batch][1]["img_s"],
+        }
     off, on = out["grad_checkpointing=False"], out["grad_checkpointing=True"]
     out.update(batch=batch, added_ratio=on["added_mb"] / off["added_mb"], speed_ratio=on["img_s"] / off["img_s"])
     return out
@@ -172,8 +193,16 @@ COMPILE_CONTENDERS = {  # (h): name -> the function run in a fresh process, and 
 }
 
 
-def compiled_against_eager(model: str, data: str, imgsz: int, epochs: int, fraction: float, repeats: int,
-                           contenders=tuple(COMPILE_CONTENDERS), cold: bool = True) -> dict:  # fmt: skip
+def compiled_against_eager(
+    model: str,
+    data: str,
+    imgsz: int,
+    epochs: int,
+    fraction: float,
+    repeats: int,
+    contenders=tuple(COMPILE_CONTENDERS),
+    cold: bool = True,
+) -> dict:
     """(h) compile=True: yoloaccum eager, compiled with one graph per batch size (static) and with a dynamic batch
     size, and Ultralytics eager and compiled, on the same work, back to back in each repeat, each in a fresh process
     and, when cold, with an empty inductor cache (a first compile, as on a new machine). Images/s of the last epoch;
@@ -201,8 +230,12 @@ def compiled_against_eager(model: str, data: str, imgsz: int, epochs: int, fract
     for r in runs.get("ultralytics_compiled", []):  # its compile time: its first epoch's time beyond a steady one's
         first, last = r["epochs_img_s"][0], r["epochs_img_s"][-1]
         r["compile_s"] = max(r["images"] / first - r["images"] / last, 0.0)
-    out = {name: {"img_s": median(r["img_s"] for r in rs), "compile_s": median(r.get("compile_s", 0.0) for r in rs)}
-           if rs else {"failed": failed[name]} for name, rs in runs.items()}  # fmt: skip
+    out = {
+        name: {"img_s": median(r["img_s"] for r in rs), "compile_s": median(r.get("compile_s", 0.0) for r in rs)}
+        if rs
+        else {"failed": failed[name]}
+        for name, rs in runs.items()
+    }
     eager = [r["img_s"] for r in runs["eager"]]
     for name in ("static", "dynamic"):
         ours = [r["img_s"] for r in runs.get(name, [])]
@@ -211,7 +244,8 @@ def compiled_against_eager(model: str, data: str, imgsz: int, epochs: int, fract
         out[name]["vs_eager"] = median(o / e for o, e in zip(ours, eager))
         if runs.get("ultralytics_compiled"):
             out[name]["vs_ultralytics_compiled"] = median(
-                o / u["img_s"] for o, u in zip(ours, runs["ultralytics_compiled"]))  # fmt: skip
+                o / u["img_s"] for o, u in zip(ours, runs["ultralytics_compiled"])
+            )
         saved = images / out["eager"]["img_s"] - images / out[name]["img_s"]  # seconds an epoch
         out[name]["pays_off_after_epochs"] = out[name]["compile_s"] / saved if saved > 0 else None
     out.update(model=model, imgsz=imgsz, images_per_epoch=images, epochs=epochs, repeats=repeats, cold=cold, runs=runs)
@@ -241,11 +275,19 @@ def main() -> None:
             "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if CUDA else None,
         },
-        "settings": {**TRAIN_ARGS, "imgsz": imgsz, "batch": micro, "amp": AMP, "data": SHAPES_YAML,
-                     "repeats": repeats, "smoke": smoke},
-    }  # fmt: skip
-    report["vs_ultralytics"] = throughput(models, data, imgsz, repeats, epochs=2, fraction=0.25 if smoke else 1.0,
-                                          iterations=4 if smoke else 40)  # fmt: skip
+        "settings": {
+            **TRAIN_ARGS,
+            "imgsz": imgsz,
+            "batch": micro,
+            "amp": AMP,
+            "data": SHAPES_YAML,
+            "repeats": repeats,
+            "smoke": smoke,
+        },
+    }
+    report["vs_ultralytics"] = throughput(
+        models, data, imgsz, repeats, epochs=2, fraction=0.25 if smoke else 1.0, iterations=4 if smoke else 40
+    )
     steps = 4 if smoke else 16
     configs = ((micro, 64), (micro, micro), (64, 64))
     report["memory_mb"] = {f"batch={b} nbs={n}": peak_memory(models[0], imgsz, b, n, steps) for b, n in configs}
@@ -254,8 +296,7 @@ def main() -> None:
     report["accumulation"] = accumulation_overhead(models[0], imgsz, micro, pairs=2 if smoke else 12)
     report["data_pipeline_img_s"] = data_pipeline(data, imgsz, micro, 4 if smoke else 64)
     if smoke:  # on tests/test_compile.py's shapes (8 and 4), whose compiled graphs it shares
-        report["compile"] = compiled_against_eager(models[0], data, imgsz, 2, 0.92, 1, ("eager", "static"),
-                                                   cold=False)  # fmt: skip
+        report["compile"] = compiled_against_eager(models[0], data, imgsz, 2, 0.92, 1, ("eager", "static"), cold=False)
     else:  # a cold compile of yolo26n takes minutes on two cores: one repeat
         report["compile"] = compiled_against_eager(models[0], data, imgsz, 2, 0.99, 1)
     print(json.dumps(report, indent=1))
@@ -268,54 +309,77 @@ def main() -> None:
 def markdown(r: dict) -> str:
     s, m, rows = r["settings"], r["machine"], r["vs_ultralytics"]
     where = f"{m['cuda']}, AMP" if m["cuda"] else f"{m['cores']} CPU cores ({m['cpu']}), fp32"
-    lines = [f"Measured by `make bench` on {where}; torch {m['torch']}, Python {m['python']}. Both trainers: imgsz "
-             f"{s['imgsz']}, batch {s['batch']}, nbs {s['nbs']}, workers {s['workers']}, cache {s['cache']}, no "
-             f"warmup, images/s of the second epoch. Median of {s['repeats']} repeats, each running every contender "
-             "back to back, each in a fresh process; ratios are taken within a repeat. The bare limit is measured in "
-             "yoloaccum's process, on its model and the loader's batches held in memory, just before and just after "
-             "the measured epoch (the mean of the two).", "",
-             "| model | yoloaccum img/s | Ultralytics img/s | ratio | bare limit img/s | share of the bare limit |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"Measured by `make bench` on {where}; torch {m['torch']}, Python {m['python']}. Both trainers: imgsz "
+        f"{s['imgsz']}, batch {s['batch']}, nbs {s['nbs']}, workers {s['workers']}, cache {s['cache']}, no "
+        f"warmup, images/s of the second epoch. Median of {s['repeats']} repeats, each running every contender "
+        "back to back, each in a fresh process; ratios are taken within a repeat. The bare limit is measured in "
+        "yoloaccum's process, on its model and the loader's batches held in memory, just before and just after "
+        "the measured epoch (the mean of the two).",
+        "",
+        "| model | yoloaccum img/s | Ultralytics img/s | ratio | bare limit img/s | share of the bare limit |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
-        lines.append(f"| {row['model']} | {row['yoloaccum_img_s']:.1f} | {row['ultralytics_img_s']:.1f} | "
-                     f"{row['ratio']:.2f}x | {row['bare_limit_img_s']:.1f} | "
-                     f"{row['fraction_of_bare_limit']:.0%} |")  # fmt: skip
+        lines.append(
+            f"| {row['model']} | {row['yoloaccum_img_s']:.1f} | {row['ultralytics_img_s']:.1f} | "
+            f"{row['ratio']:.2f}x | {row['bare_limit_img_s']:.1f} | "
+            f"{row['fraction_of_bare_limit']:.0%} |"
+        )
     ran = rows[0]["ran_with"]
-    lines += ["", f"They ran with: yoloaccum {ran['yoloaccum']['threads']} torch threads and "
-              f"{ran['yoloaccum']['workers']} workers; Ultralytics {ran['ultralytics']['threads']} torch thread(s) "
-              f"and {ran['ultralytics']['workers']} workers (its trainer picks these itself on the CPU)."]  # fmt: skip
+    lines += [
+        "",
+        f"They ran with: yoloaccum {ran['yoloaccum']['threads']} torch threads and "
+        f"{ran['yoloaccum']['workers']} workers; Ultralytics {ran['ultralytics']['threads']} torch thread(s) "
+        f"and {ran['ultralytics']['workers']} workers (its trainer picks these itself on the CPU).",
+    ]
     mem, acc = r["memory_mb"], r["accumulation"]
     keys = list(mem)
     lines += ["", "| peak memory (max RSS on the CPU, peak allocated on CUDA) | MB |", "| --- | --- |"]
     lines += [f"| {k} | {v:.0f} |" for k, v in mem.items()]
-    lines += ["", f"batch {s['batch']} nbs 64 against nbs {s['batch']}: {mem[keys[0]] / mem[keys[1]]:.2f}x; "
-              f"against batch 64: {mem[keys[0]] / mem[keys[2]]:.2f}x.",
-              f"Accumulation overhead (time per image at accumulate 8 against 1, median of {acc['pairs']} pairs): "
-              f"{acc['overhead']:+.1%}.",
-              f"Data pipeline alone: {r['data_pipeline_img_s']:.0f} img/s with augmentation, "
-              f"{r['data_pipeline_img_s'] / rows[0]['yoloaccum_img_s']:.0f}x what training at "
-              f"{rows[0]['yoloaccum_img_s']:.0f} img/s consumes."]  # fmt: skip
+    lines += [
+        "",
+        f"batch {s['batch']} nbs 64 against nbs {s['batch']}: {mem[keys[0]] / mem[keys[1]]:.2f}x; "
+        f"against batch 64: {mem[keys[0]] / mem[keys[2]]:.2f}x.",
+        f"Accumulation overhead (time per image at accumulate 8 against 1, median of {acc['pairs']} pairs): "
+        f"{acc['overhead']:+.1%}.",
+        f"Data pipeline alone: {r['data_pipeline_img_s']:.0f} img/s with augmentation, "
+        f"{r['data_pipeline_img_s'] / rows[0]['yoloaccum_img_s']:.0f}x what training at "
+        f"{rows[0]['yoloaccum_img_s']:.0f} img/s consumes.",
+    ]
     g = r["grad_checkpointing"]
     off, on = g["grad_checkpointing=False"], g["grad_checkpointing=True"]
-    lines += ["", f"| micro-batch {g['batch']} (peak: max RSS on the CPU, peak allocated on CUDA) | peak at 1, MB | "
-              f"peak at {g['batch']}, MB | added, MB | img/s |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += [
+        "",
+        f"| micro-batch {g['batch']} (peak: max RSS on the CPU, peak allocated on CUDA) | peak at 1, MB | "
+        f"peak at {g['batch']}, MB | added, MB | img/s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     big = f"peak_mb_batch_{g['batch']}"
     for name, row in (("without grad_checkpointing", off), ("grad_checkpointing=True", on)):
-        lines.append(f"| {name} | {row['peak_mb_batch_1']:.0f} | {row[big]:.0f} | "
-                     f"{row['added_mb']:.0f} | {row['img_s']:.1f} |")  # fmt: skip
-    lines += ["", f"grad_checkpointing: {g['added_ratio']:.2f}x the memory training adds at micro-batch {g['batch']}, "
-              f"at {g['speed_ratio']:.2f}x the images/s."]  # fmt: skip
+        lines.append(
+            f"| {name} | {row['peak_mb_batch_1']:.0f} | {row[big]:.0f} | {row['added_mb']:.0f} | {row['img_s']:.1f} |"
+        )
+    lines += [
+        "",
+        f"grad_checkpointing: {g['added_ratio']:.2f}x the memory training adds at micro-batch {g['batch']}, "
+        f"at {g['speed_ratio']:.2f}x the images/s.",
+    ]
     return "\n".join(lines + compile_markdown(r["compile"])) + "\n"
 
 
 def compile_markdown(h: dict) -> list[str]:
     """(h) as a table: images/s of the last epoch, compile time, ratios and the epochs after which it pays."""
     short = ", the last micro-batch short" if h["images_per_epoch"] % TRAIN_ARGS["batch"] else ""
-    lines = ["", f"compile=True ({h['model']}, {h['imgsz']} px, {h['images_per_epoch']} images an epoch{short}; "
-             f"{h['epochs']} epochs, images/s of the last; {h['repeats']} repeat(s); "
-             f"{'a cold inductor cache' if h['cold'] else 'a warm inductor cache'}):", "",
-             "| run | img/s | compile s | vs eager | vs Ultralytics compiled | pays off after (epochs) |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "",
+        f"compile=True ({h['model']}, {h['imgsz']} px, {h['images_per_epoch']} images an epoch{short}; "
+        f"{h['epochs']} epochs, images/s of the last; {h['repeats']} repeat(s); "
+        f"{'a cold inductor cache' if h['cold'] else 'a warm inductor cache'}):",
+        "",
+        "| run | img/s | compile s | vs eager | vs Ultralytics compiled | pays off after (epochs) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name in ("eager", "static", "dynamic", "ultralytics_eager", "ultralytics_compiled"):
         row = h.get(name)
         if row is None:

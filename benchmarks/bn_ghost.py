@@ -177,8 +177,10 @@ def main() -> None:
         ref_mean = sum(ref[s]["precise"][METRICS[1]] for s in both) / len(both) if both else float("nan")
         ratio = mean / ref_mean if both else float("nan")
         interval = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d else "–"
-        lines.append(f"| {name} | {','.join(seeds)} | {' '.join(f'{v:.3f}' for v in values)} | {mean:.3f} | "
-                     f"{ratio:.2f} | {interval} | {sum(raw) / len(raw):.3f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {','.join(seeds)} | {' '.join(f'{v:.3f}' for v in values)} | {mean:.3f} | "
+            f"{ratio:.2f} | {interval} | {sum(raw) / len(raw):.3f} |"
+        )
     (HERE / "bn_ghost.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -33,8 +33,12 @@ sys.path.insert(0, str(HERE))
 from fidelity import FULL  # noqa: E402
 
 VARIANTS = ("trained", "precise-16", "precise-64", "precise-all", "val-batch", "aug-64", "mosaic-64")
-KEYS = {"P": "metrics/precision(B)", "R": "metrics/recall(B)", "mAP50": "metrics/mAP50(B)",
-        "mAP50-95": "metrics/mAP50-95(B)"}  # fmt: skip
+KEYS = {
+    "P": "metrics/precision(B)",
+    "R": "metrics/recall(B)",
+    "mAP50": "metrics/mAP50(B)",
+    "mAP50-95": "metrics/mAP50-95(B)",
+}
 
 
 def batch_statistics(model):
@@ -121,8 +125,11 @@ def main() -> None:
     parser.add_argument("--data", type=Path, help="their dataset YAML (default: the fidelity set, generated)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     a = parser.parse_args()
-    data = a.data or shapes_data(tempfile.mkdtemp(), smoke=False, counts={"num_train": FULL["images"],
-                                 "num_val": FULL["val_images"], "imgsz": FULL["imgsz"], "seed": 0})  # fmt: skip
+    data = a.data or shapes_data(
+        tempfile.mkdtemp(),
+        smoke=False,
+        counts={"num_train": FULL["images"], "num_val": FULL["val_images"], "imgsz": FULL["imgsz"], "seed": 0},
+    )
     store = HERE / "bn_validation.json"
     rows = json.loads(store.read_text()) if store.exists() else {}
     for weights in a.weights:

@@ -45,8 +45,16 @@ def study_modes(backbone: int) -> dict[str, dict]:
     }
 
 
-def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yolo26n.yaml",
-            compiled: bool = False, study: bool = False, backbone: int | None = None) -> dict:  # fmt: skip
+def measure(
+    micro: int,
+    imgsz: int,
+    windows: int,
+    repeats: int,
+    model: str = "yolo26n.yaml",
+    compiled: bool = False,
+    study: bool = False,
+    backbone: int | None = None,
+) -> dict:
     """Images/s of each mode over the same windows; compiled: each model compiled as compile=True compiles it;
     study: study_modes(backbone) too (by default yolo26's, common.BACKBONE)."""
     from common import BACKBONE, DEVICE, engine_for, make_batches, on_device, synchronize
@@ -95,8 +103,15 @@ def measure(micro: int, imgsz: int, windows: int, repeats: int, model: str = "yo
     cost = {mode: medians["batch"] / medians[mode] for mode in engines if mode != "batch"}
     # the pass's part of each cost, in bn=batch's time per image; what is left of the cost is the rest's
     pass_part = {mode: statistics.median(v) * medians["batch"] for mode, v in pass_seconds.items()}
-    return {"micro_batch": micro, "imgsz": imgsz, "compiled": compiled, "images_per_second": medians, "cost": cost,
-            "pass_part": pass_part, "repeats": rates}  # fmt: skip
+    return {
+        "micro_batch": micro,
+        "imgsz": imgsz,
+        "compiled": compiled,
+        "images_per_second": medians,
+        "cost": cost,
+        "pass_part": pass_part,
+        "repeats": rates,
+    }
 
 
 class Timed:
@@ -154,14 +169,18 @@ def main() -> None:
         return
     (HERE / "bn_window.json").write_text(json.dumps(rows, indent=1))
     others = [m for m in MODES if m != "batch"]
-    lines = ["# The cost of bn=window (`python benchmarks/bn_window.py`)", "",
-             "yolo26n at 160 px, nbs 64, synthetic batches in memory, Engine.train_epoch over whole windows "
-             "(bn=window's statistics pass included); the modes alternate, 5 repetitions each after a warm-up, "
-             "median. The 2-core CPU machine, nothing else running. Cost: time per image against bn=batch; beyond 1, "
-             "the statistics pass's part (timed) and the rest (by subtraction: the micro-steps' renormalisation, noise "
-             "included), in bn=batch's time.", "",
-             "| micro-batch | bn=batch img/s | " + " | ".join(f"bn={m} img/s | cost" for m in others) + " |",
-             "| --- | --- | " + " | ".join("--- | ---" for _ in others) + " |"]  # fmt: skip
+    lines = [
+        "# The cost of bn=window (`python benchmarks/bn_window.py`)",
+        "",
+        "yolo26n at 160 px, nbs 64, synthetic batches in memory, Engine.train_epoch over whole windows "
+        "(bn=window's statistics pass included); the modes alternate, 5 repetitions each after a warm-up, "
+        "median. The 2-core CPU machine, nothing else running. Cost: time per image against bn=batch; beyond 1, "
+        "the statistics pass's part (timed) and the rest (by subtraction: the micro-steps' renormalisation, noise "
+        "included), in bn=batch's time.",
+        "",
+        "| micro-batch | bn=batch img/s | " + " | ".join(f"bn={m} img/s | cost" for m in others) + " |",
+        "| --- | --- | " + " | ".join("--- | ---" for _ in others) + " |",
+    ]
     for r in rows:
         ips, c = r["images_per_second"], r["cost"]
         cells = " | ".join(f"{ips[m]:.1f} | {c[m]:.3f}x ({split(r, m)})" for m in others)

@@ -35,8 +35,18 @@ AMP = CUDA  # (f): AMP on CUDA; on the CPU both trainers run fp32
 # state, at the full accumulate (a warmup ramps accumulate from 1, hence more optimizer steps per image). cache=ram:
 # images are decoded once, not every epoch, as one would run a set this small (decoding is a quarter to a third
 # of the pipeline's CPU time, which it takes from training on these two cores).
-TRAIN_ARGS = dict(batch=8, nbs=64, workers=2, cache="ram", close_mosaic=0, warmup_epochs=0, val=False, plots=False,
-                  amp=AMP, device="0" if CUDA else "cpu")  # fmt: skip
+TRAIN_ARGS = dict(
+    batch=8,
+    nbs=64,
+    workers=2,
+    cache="ram",
+    close_mosaic=0,
+    warmup_epochs=0,
+    val=False,
+    plots=False,
+    amp=AMP,
+    device="0" if CUDA else "cpu",
+)
 
 
 def shapes_data(folder: str | None, smoke: bool, counts: dict | None = None) -> Path:
@@ -73,10 +83,13 @@ def make_batches(n: int, micro: int, imgsz: int, seed: int = 0) -> list[dict]:
         k = int(per_image.sum())
         xy, wh = torch.rand(k, 2, generator=g) * 0.6 + 0.2, torch.rand(k, 2, generator=g) * 0.2 + 0.1
         out.append(
-            {"img": torch.rand(micro, 3, imgsz, imgsz, generator=g),
-             "batch_idx": torch.repeat_interleave(torch.arange(micro), per_image).float(),
-             "cls": torch.randint(0, 4, (k, 1), generator=g).float(), "bboxes": torch.cat([xy, wh], 1)}
-        )  # fmt: skip
+            {
+                "img": torch.rand(micro, 3, imgsz, imgsz, generator=g),
+                "batch_idx": torch.repeat_interleave(torch.arange(micro), per_image).float(),
+                "cls": torch.randint(0, 4, (k, 1), generator=g).float(),
+                "bboxes": torch.cat([xy, wh], 1),
+            }
+        )
     return out
 
 
@@ -85,8 +98,9 @@ def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]
     which also decides where mosaic draws its other images from), held in memory."""
     from yoloaccum.data import datasets as data_
 
-    cfg = config.resolve(overrides=dict(data=str(data), imgsz=imgsz, batch=micro, workers=0, close_mosaic=0,
-                                        cache=TRAIN_ARGS["cache"]))  # fmt: skip
+    cfg = config.resolve(
+        overrides=dict(data=str(data), imgsz=imgsz, batch=micro, workers=0, close_mosaic=0, cache=TRAIN_ARGS["cache"])
+    )
     dataset = data_.build_dataset(cfg, data_.load_spec(cfg.data), "train")
     batches = []
     while len(batches) < n:  # a small set (--smoke) may need more than one pass
@@ -94,8 +108,16 @@ def real_batches(data: str | Path, imgsz: int, micro: int, n: int) -> list[dict]
     return batches
 
 
-def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, epochs: int = 1,
-               grad_checkpointing: bool = False, freeze: int | None = None) -> Engine:  # fmt: skip
+def engine_for(
+    model: str,
+    imgsz: int,
+    batch: int,
+    nbs: int,
+    num_batches: int,
+    epochs: int = 1,
+    grad_checkpointing: bool = False,
+    freeze: int | None = None,
+) -> Engine:
     """yoloaccum's engine around a fresh model as the trainer sets it up (channels-last, AMP on CUDA, an EMA,
     grad_checkpointing, and freeze='s layers without gradients), with a schedule of num_batches micro-batches an
     epoch and no warmup. Whoever calls model.train() sets BatchNorm's mode after it (model.set_bn_mode)."""
@@ -105,8 +127,9 @@ def engine_for(model: str, imgsz: int, batch: int, nbs: int, num_batches: int, e
     from yoloaccum.model.build import checkpoint_blocks
 
     memory.keep_freed_memory()  # as the trainer does, so that the memory and accumulation probes see its allocator
-    cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=0, imgsz=imgsz,
-                                        optimizer="SGD"))  # fmt: skip
+    cfg = config.resolve(
+        overrides=dict(batch=batch, nbs=nbs, epochs=epochs, warmup_epochs=0, imgsz=imgsz, optimizer="SGD")
+    )
     s = schedule.build(cfg, num_images=batch * num_batches, nc=4)
     torch.manual_seed(0)
     raw = DetectionModel(model, nc=4, verbose=False).to(DEVICE, memory_format=torch.channels_last)
@@ -182,8 +205,7 @@ def checkpointing_probe(model: str, imgsz: int, batch: int, steps: int, grad_che
     return {"img_s": img_s, "cuda_bytes": torch.cuda.max_memory_allocated() if CUDA else None}
 
 
-def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fraction: float,
-                             iterations: int) -> dict:  # fmt: skip
+def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fraction: float, iterations: int) -> dict:
     """(a) and (b) in one process. yoloaccum's trainer, as `yoloaccum train` builds and runs it: images/s of its last
     epoch, as it logs them in results.csv. And the bare limit on the trainer's own model, at each epoch's end, on
     `iterations` of the training loader's batches held on the device: the mean of the passes just before and just
@@ -207,8 +229,12 @@ def yoloaccum_and_bare_limit(model: str, data: str, imgsz: int, epochs: int, fra
     run.epoch_end.insert(0, with_bare_limit)
     run.train()
     workers = loader_workers(TRAIN_ARGS["workers"], DEVICE)  # what its loader ran with
-    return {"img_s": img_s[-1], "bare_limit_img_s": (bare[-2] + bare[-1]) / 2, "threads": torch.get_num_threads(),
-            "workers": workers}  # fmt: skip
+    return {
+        "img_s": img_s[-1],
+        "bare_limit_img_s": (bare[-2] + bare[-1]) / 2,
+        "threads": torch.get_num_threads(),
+        "workers": workers,
+    }
 
 
 def bare_limit(model: str, data: str, imgsz: int, micro: int, iterations: int) -> dict:
@@ -222,8 +248,9 @@ def bare_limit(model: str, data: str, imgsz: int, micro: int, iterations: int) -
     return {"micro_batch": micro, "imgsz": imgsz, "bare_limit_img_s": bare_pass(engine.raw_model, engine.loss, batches)}
 
 
-def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int, fraction: float,
-                                  compile: bool = False) -> dict:  # fmt: skip
+def ultralytics_images_per_second(
+    model: str, data: str, imgsz: int, epochs: int, fraction: float, compile: bool = False
+) -> dict:
     """Ultralytics' own trainer (YOLO.train) on the same settings: images/s of its last epoch's batch loop, and of
     each epoch ("epochs_img_s"), counting the images it trained (with compile=True it drops each epoch's last batch).
 
@@ -242,14 +269,30 @@ def ultralytics_images_per_second(model: str, data: str, imgsz: int, epochs: int
     yolo = YOLO(model)
     yolo.add_callback("on_train_epoch_start", lambda t: marks.__setitem__("start", time.perf_counter()))
     yolo.add_callback("on_train_epoch_end", epoch_end)
-    yolo.train(**TRAIN_ARGS, data=data, imgsz=imgsz, epochs=epochs, fraction=fraction, project=tempfile.mkdtemp(),
-               name="bench", pretrained=False, verbose=False, compile=compile)  # fmt: skip
-    return {"img_s": epoch_img_s[-1], "epochs_img_s": epoch_img_s, "images": marks["images"],
-            "threads": marks["threads"], "workers": marks["workers"]}  # fmt: skip
+    yolo.train(
+        **TRAIN_ARGS,
+        data=data,
+        imgsz=imgsz,
+        epochs=epochs,
+        fraction=fraction,
+        project=tempfile.mkdtemp(),
+        name="bench",
+        pretrained=False,
+        verbose=False,
+        compile=compile,
+    )
+    return {
+        "img_s": epoch_img_s[-1],
+        "epochs_img_s": epoch_img_s,
+        "images": marks["images"],
+        "threads": marks["threads"],
+        "workers": marks["workers"],
+    }
 
 
-def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction: float, compile: bool,
-                       dynamic: bool = False) -> dict:  # fmt: skip
+def yoloaccum_compiled(
+    model: str, data: str, imgsz: int, epochs: int, fraction: float, compile: bool, dynamic: bool = False
+) -> dict:
     """yoloaccum's trainer as `yoloaccum train` runs it, eager or with compile=True (one graph per batch size, or
     with dynamic, one with a dynamic batch size): images/s of each epoch as results.csv has them, and the compile
     time, which the trainer spends before its first epoch."""
@@ -257,8 +300,15 @@ def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction:
     from yoloaccum.training import trainer
 
     compiler.DYNAMIC = dynamic
-    args = {**TRAIN_ARGS, "model": model, "data": data, "imgsz": imgsz, "epochs": epochs, "fraction": fraction,
-            "compile": compile}  # fmt: skip
+    args = {
+        **TRAIN_ARGS,
+        "model": model,
+        "data": data,
+        "imgsz": imgsz,
+        "epochs": epochs,
+        "fraction": fraction,
+        "compile": compile,
+    }
     cfg = config.resolve([f"{k}={v}" for k, v in args.items()] + ["verbose=False", f"project={tempfile.mkdtemp()}"])
     img_s = []
 
@@ -267,5 +317,9 @@ def yoloaccum_compiled(model: str, data: str, imgsz: int, epochs: int, fraction:
     run.train()
     if compile and run.compiled is None:
         raise RuntimeError("compile=True fell back to eager, with the warning printed above")
-    return {"img_s": img_s[-1], "epochs_img_s": img_s, "compile_s": run.compiled.seconds if compile else 0.0,
-            "images": len(run.parts.train_set)}  # fmt: skip
+    return {
+        "img_s": img_s[-1],
+        "epochs_img_s": img_s,
+        "compile_s": run.compiled.seconds if compile else 0.0,
+        "images": len(run.parts.train_set),
+    }

@@ -39,8 +39,9 @@ def engine_for(ctx, accumulate: int, windows: int, no_sync: bool) -> tuple[Engin
     from ultralytics.nn.tasks import DetectionModel
 
     batch = MICRO * ctx.world_size
-    cfg = config.resolve(overrides=dict(batch=batch, nbs=batch * accumulate, epochs=1, warmup_epochs=0,
-                                        optimizer="SGD", imgsz=IMGSZ))  # fmt: skip
+    cfg = config.resolve(
+        overrides=dict(batch=batch, nbs=batch * accumulate, epochs=1, warmup_epochs=0, optimizer="SGD", imgsz=IMGSZ)
+    )
     s = schedule.build(cfg, num_images=batch * accumulate * windows, world_size=ctx.world_size, nc=4)
     torch.manual_seed(0)
     raw = DetectionModel(MODEL, nc=4, verbose=False).to(ctx.device)
@@ -89,15 +90,28 @@ def main(quick: bool) -> None:
                 calls[no_sync] = per_step
         with_ns, without = statistics.median(times[True]), statistics.median(times[False])
         rows.append(
-            {"accumulate": accumulate, "seconds_per_step_no_sync": with_ns, "seconds_per_step_sync_each": without,
-             "speedup": without / with_ns, "allreduce_calls_per_step_no_sync": calls[True],
-             "allreduce_calls_per_step_sync_each": calls[False]}
-        )  # fmt: skip
+            {
+                "accumulate": accumulate,
+                "seconds_per_step_no_sync": with_ns,
+                "seconds_per_step_sync_each": without,
+                "speedup": without / with_ns,
+                "allreduce_calls_per_step_no_sync": calls[True],
+                "allreduce_calls_per_step_sync_each": calls[False],
+            }
+        )
     if ctx.is_main:
-        report = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                  "backend": "nccl" if ctx.device.type == "cuda" else "gloo", "world_size": ctx.world_size,
-                  "model": MODEL, "imgsz": IMGSZ, "micro_batch_per_rank": MICRO, "repeats": repeats,
-                  "windows_per_repeat": windows, "rows": rows}  # fmt: skip
+        report = {
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "backend": "nccl" if ctx.device.type == "cuda" else "gloo",
+            "world_size": ctx.world_size,
+            "model": MODEL,
+            "imgsz": IMGSZ,
+            "micro_batch_per_rank": MICRO,
+            "repeats": repeats,
+            "windows_per_repeat": windows,
+            "rows": rows,
+        }
         if not quick:
             OUT.write_text(json.dumps(report, indent=1))
         print(table(report))
@@ -105,12 +119,14 @@ def main(quick: bool) -> None:
 
 
 def table(report: dict) -> str:
-    lines = [f"{report['world_size']} ranks ({report['backend']}), {report['model']} at {report['imgsz']} px, "
-             f"micro-batch {report['micro_batch_per_rank']} per rank, median of {report['repeats']}",  # fmt: skip
-             "",
-             "| accumulate | s/step, no_sync | s/step, sync every micro-batch | speed-up | all-reduce calls/step, "
-             "no_sync | all-reduce calls/step, every micro-batch |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"{report['world_size']} ranks ({report['backend']}), {report['model']} at {report['imgsz']} px, "
+        f"micro-batch {report['micro_batch_per_rank']} per rank, median of {report['repeats']}",
+        "",
+        "| accumulate | s/step, no_sync | s/step, sync every micro-batch | speed-up | all-reduce calls/step, "
+        "no_sync | all-reduce calls/step, every micro-batch |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report["rows"]:
         lines.append(
             f"| {r['accumulate']} | {r['seconds_per_step_no_sync']:.2f} | {r['seconds_per_step_sync_each']:.2f} "

@@ -105,11 +105,23 @@ def per_epoch(results_csv: Path) -> float:
 
 def one_repeat(data: Path, settings: dict) -> dict:
     folder = Path(tempfile.mkdtemp())
-    ours = [str(Path(sys.executable).parent / "yoloaccum"), "train", f"data={data}",
-            *(f"{k}={v}" for k, v in settings.items()), f"project={folder / 'yoloaccum'}", "name=run"]  # fmt: skip
-    theirs = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import defaults; "
-              "defaults.ultralytics_child(*sys.argv[2:])", str(HERE), str(data), str(folder / "ultralytics"),
-              json.dumps(settings)]  # fmt: skip
+    ours = [
+        str(Path(sys.executable).parent / "yoloaccum"),
+        "train",
+        f"data={data}",
+        *(f"{k}={v}" for k, v in settings.items()),
+        f"project={folder / 'yoloaccum'}",
+        "name=run",
+    ]
+    theirs = [
+        sys.executable,
+        "-c",
+        "import sys; sys.path.insert(0, sys.argv[1]); import defaults; defaults.ultralytics_child(*sys.argv[2:])",
+        str(HERE),
+        str(data),
+        str(folder / "ultralytics"),
+        json.dumps(settings),
+    ]
     out = {"yoloaccum_s": timed(ours), "ultralytics_s": timed(theirs)}
     out["yoloaccum_epoch_s"] = per_epoch(folder / "yoloaccum/run/results.csv")
     out["ultralytics_epoch_s"] = per_epoch(folder / "ultralytics/run/results.csv")
@@ -117,15 +129,20 @@ def one_repeat(data: Path, settings: dict) -> dict:
 
 
 def rows(results: dict) -> list[str]:
-    lines = ["| set | repeats | yoloaccum, whole process | Ultralytics, whole process | speed ratio | yoloaccum, per "
-             "epoch | Ultralytics, per epoch | speed ratio |", "| --- " * 8 + "|"]  # fmt: skip
+    lines = [
+        "| set | repeats | yoloaccum, whole process | Ultralytics, whole process | speed ratio | yoloaccum, per "
+        "epoch | Ultralytics, per epoch | speed ratio |",
+        "| --- " * 8 + "|",
+    ]
     for name, reps in results.items():
         med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
         whole = statistics.median(r["ultralytics_s"] / r["yoloaccum_s"] for r in reps)
         epoch = statistics.median(r["ultralytics_epoch_s"] / r["yoloaccum_epoch_s"] for r in reps)
-        lines.append(f"| {name} | {len(reps)} | {med['yoloaccum_s']:.1f} s | {med['ultralytics_s']:.1f} s | "
-                     f"{whole:.2f}x | {med['yoloaccum_epoch_s']:.2f} s | {med['ultralytics_epoch_s']:.2f} s | "
-                     f"{epoch:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {name} | {len(reps)} | {med['yoloaccum_s']:.1f} s | {med['ultralytics_s']:.1f} s | "
+            f"{whole:.2f}x | {med['yoloaccum_epoch_s']:.2f} s | {med['ultralytics_epoch_s']:.2f} s | "
+            f"{epoch:.2f}x |"
+        )
     return lines
 
 
@@ -150,10 +167,11 @@ def main() -> None:
     print("\n".join(table))
     if not a.smoke:
         store.write_text(json.dumps(results, indent=1))
-        (HERE / "defaults.md").write_text("Measured by `python benchmarks/defaults.py` (in `make bench`; the finetune "
-                                          "rows by name, `--sets finetune-b2 finetune-b4`) on the 2-core "
-                                          "CPU machine; settings and method in its docstring.\n\n"
-                                          + "\n".join(table) + "\n")  # fmt: skip
+        (HERE / "defaults.md").write_text(
+            "Measured by `python benchmarks/defaults.py` (in `make bench`; the finetune "
+            "rows by name, `--sets finetune-b2 finetune-b4`) on the 2-core "
+            "CPU machine; settings and method in its docstring.\n\n" + "\n".join(table) + "\n"
+        )
 
 
 if __name__ == "__main__":

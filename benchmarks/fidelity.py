@@ -79,16 +79,53 @@ RECIPE = {"model": "yolo26n.yaml", "nbs": 64, "warmup_epochs": 1, "close_mosaic"
 METRICS = ("metrics/mAP50(B)", "metrics/mAP50-95(B)")
 # Two-sided 95% quantiles of Student's t for 1 to 30 degrees of freedom (a paired interval over 2 to 31 seeds);
 # more seeds than that use the last, a slightly wider interval than theirs.
-T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-       2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-       2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, folder: str) -> dict:
     """In a fresh process: one training run, then its last.pt validated with and without precise BatchNorm."""
     data = dataset(size, folder)
-    args = {**RECIPE, **settings, "model": model_of(size), "data": str(data),
-            "imgsz": size["imgsz"], "epochs": size["epochs"], "seed": seed, "plots": False}  # fmt: skip
+    args = {
+        **RECIPE,
+        **settings,
+        "model": model_of(size),
+        "data": str(data),
+        "imgsz": size["imgsz"],
+        "epochs": size["epochs"],
+        "seed": seed,
+        "plots": False,
+    }
     start = time.perf_counter()
     if trainer == "yoloaccum":
         from yoloaccum import train
@@ -99,8 +136,16 @@ def train_and_evaluate(trainer: str, settings: dict, size: dict, seed: int, fold
         from ultralytics import YOLO
 
         model = args.pop("model")  # a .pt fine-tunes from its weights, as `yolo train model=w.pt` does
-        YOLO(model).train(**args, project=folder, name=f"run{seed}", exist_ok=True, pretrained=model.endswith(".pt"),
-                          deterministic=True, device="cpu", verbose=False)  # fmt: skip
+        YOLO(model).train(
+            **args,
+            project=folder,
+            name=f"run{seed}",
+            exist_ok=True,
+            pretrained=model.endswith(".pt"),
+            deterministic=True,
+            device="cpu",
+            verbose=False,
+        )
         run_dir = Path(folder) / f"run{seed}"
     seconds = time.perf_counter() - start
     precise = size.get("precise_images") or min(size.get("images", PRECISE_IMAGES), PRECISE_IMAGES)
@@ -121,8 +166,11 @@ def dataset(size: dict, folder: str) -> Path:
         from common import absolute_yaml
 
         return absolute_yaml(SHARED_SETS[size["dataset"]])
-    return shapes_data(folder, smoke=False, counts={"num_train": size["images"], "num_val": size["val_images"],
-                                                    "imgsz": size["imgsz"], "seed": 0})  # fmt: skip
+    return shapes_data(
+        folder,
+        smoke=False,
+        counts={"num_train": size["images"], "num_val": size["val_images"], "imgsz": size["imgsz"], "seed": 0},
+    )
 
 
 def final_metrics(weights: Path, data: Path, imgsz: int, precise_images: int, freeze=None) -> dict:
@@ -200,13 +248,22 @@ def summarise(runs: dict, configs: list[str], seeds: list[int]) -> dict:
                 values = [runs[name][str(s)][variant][metric] for s in seeds if str(s) in runs.get(name, {})]
                 if not values:
                     continue
-                ref = [runs[REFERENCE][str(s)][variant][metric] for s in seeds if str(s) in runs.get(REFERENCE, {})
-                       and str(s) in runs[name]]  # fmt: skip
-                mine = [runs[name][str(s)][variant][metric] for s in seeds if str(s) in runs.get(REFERENCE, {})
-                        and str(s) in runs[name]]  # fmt: skip
-                row[metric] = {"seeds": values, "mean": statistics.fmean(values),
-                               "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-                               "vs_reference": paired(mine, ref) if ref else None}  # fmt: skip
+                ref = [
+                    runs[REFERENCE][str(s)][variant][metric]
+                    for s in seeds
+                    if str(s) in runs.get(REFERENCE, {}) and str(s) in runs[name]
+                ]
+                mine = [
+                    runs[name][str(s)][variant][metric]
+                    for s in seeds
+                    if str(s) in runs.get(REFERENCE, {}) and str(s) in runs[name]
+                ]
+                row[metric] = {
+                    "seeds": values,
+                    "mean": statistics.fmean(values),
+                    "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                    "vs_reference": paired(mine, ref) if ref else None,
+                }
             if row:
                 ran = [runs[name][str(s)] for s in seeds if str(s) in runs[name]]
                 row["seeds"] = [s for s in seeds if str(s) in runs[name]]
@@ -289,16 +346,30 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny version that only checks the benchmark runs")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    parser.add_argument("--epochs", type=int, help=f"train this many epochs instead of {FULL['epochs']}; the report "
-                        "goes to benchmarks/fidelity-<epochs>/ unless --out says otherwise")  # fmt: skip
-    parser.add_argument("--data", choices=["shapes", "bccd"], default="shapes",
-                        help=f"bccd: {BCCD_YAML} (skipped when absent), {BCCD['epochs']} epochs at {BCCD['imgsz']} px; "
-                        "reported in benchmarks/fidelity-bccd/, or fidelity-bccd-<epochs>/ with --epochs")  # fmt: skip
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        help=f"train this many epochs instead of {FULL['epochs']}; the report "
+        "goes to benchmarks/fidelity-<epochs>/ unless --out says otherwise",
+    )
+    parser.add_argument(
+        "--data",
+        choices=["shapes", "bccd"],
+        default="shapes",
+        help=f"bccd: {BCCD_YAML} (skipped when absent), {BCCD['epochs']} epochs at {BCCD['imgsz']} px; "
+        "reported in benchmarks/fidelity-bccd/, or fidelity-bccd-<epochs>/ with --epochs",
+    )
     parser.add_argument("--report", action="store_true", help="only write the report from the runs already kept")
     parser.add_argument("--out", type=Path, help="folder for fidelity.{md,json,png}: benchmarks/, or a temporary one")
-    parser.add_argument("--revalidate", nargs="+", type=Path, default=[], metavar="DIR",
-                        help="validate kept runs' last.pt again, both ways, after a change to precise_bn (training "
-                        "never reads it): runs whose folders DIR/<config>/run<seed> are still there")  # fmt: skip
+    parser.add_argument(
+        "--revalidate",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="validate kept runs' last.pt again, both ways, after a change to precise_bn (training "
+        "never reads it): runs whose folders DIR/<config>/run<seed> are still there",
+    )
     a = parser.parse_args()
     if a.smoke:
         a.configs, a.seeds = ["b64", "ultralytics-b8"], [0, 1]  # both trainers, and the reference to pair with

@@ -380,8 +380,9 @@ def main() -> None:
                 trainer, settings = CONFIGS[config]
                 print(f"{name} {config} seed {seed} ...", flush=True)
                 day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()  # cost_cell compares by day
-                result = fresh("train_and_evaluate", trainer, settings, run_size, seed, str(work / config),
-                               module="fidelity")  # fmt: skip
+                result = fresh(
+                    "train_and_evaluate", trainer, settings, run_size, seed, str(work / config), module="fidelity"
+                )
                 runs.setdefault(config, {})[str(seed)] = {**result, "resolved": resolved(config), "day": day}
                 print(f"  {result['seconds']:.0f} s, raw {result['raw']}, precise {result['precise']}", flush=True)
                 store.write_text(json.dumps(saved, indent=1) + "\n")

@@ -36,8 +36,15 @@ from fidelity import BCCD, BCCD_YAML, T95  # noqa: E402
 STORE = HERE / "precise_bn.json"
 EPOCHS = 3
 SIZES = (32, 64, 128, 256)
-MAKE_TRAIN = {"model": "yolo26n.yaml", "imgsz": 160, "batch": 8, "nbs": 64, "workers": 2, "warmup_epochs": 1,
-              "close_mosaic": 0}  # fmt: skip
+MAKE_TRAIN = {
+    "model": "yolo26n.yaml",
+    "imgsz": 160,
+    "batch": 8,
+    "nbs": 64,
+    "workers": 2,
+    "warmup_epochs": 1,
+    "close_mosaic": 0,
+}
 
 
 def cost(data: Path, settings: dict, epochs: int) -> dict:
@@ -94,26 +101,38 @@ def where(imgsz: int = 160, n: int = 256, repeats: int = 5) -> dict:
         for h in hooks:
             h.remove()
 
-    variants = {"forward passes alone": passes, "recompute as shipped": lambda: precise_bn.recompute_images(
-        model, images, ctx), "forward + the first version's input hooks": lambda: passes(input_moments)}  # fmt: skip
+    variants = {
+        "forward passes alone": passes,
+        "recompute as shipped": lambda: precise_bn.recompute_images(model, images, ctx),
+        "forward + the first version's input hooks": lambda: passes(input_moments),
+    }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeats):
         for name, run in variants.items():
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    return {"images": n, "imgsz": imgsz, "threads": torch.get_num_threads(),
-            **{k: statistics.median(v) for k, v in times.items()}}  # fmt: skip
+    return {
+        "images": n,
+        "imgsz": imgsz,
+        "threads": torch.get_num_threads(),
+        **{k: statistics.median(v) for k, v in times.items()},
+    }
 
 
 def cost_rows(rows: dict) -> list[str]:
-    lines = ["| set | precise_bn images | train s/epoch | precise_bn s/epoch | validation s/epoch | precise_bn share "
-             "| drawing the images (once) |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| set | precise_bn images | train s/epoch | precise_bn s/epoch | validation s/epoch | precise_bn share "
+        "| drawing the images (once) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in rows.items():
         # the first epoch's figures are left out: it also starts the loader's workers and warms the allocator
         t, p, v = (statistics.median(r[k][1:] or r[k]) for k in ("train", "precise_bn", "validation"))
-        lines.append(f"| {name} ({r['train_images']} training images) | {r['images']} | {t:.2f} | {p:.2f} | {v:.2f} "
-                     f"| {p / (t + p + v):.1%} | {r['draw'][0]:.2f} s |")  # fmt: skip
+        lines.append(
+            f"| {name} ({r['train_images']} training images) | {r['images']} | {t:.2f} | {p:.2f} | {v:.2f} "
+            f"| {p / (t + p + v):.1%} | {r['draw'][0]:.2f} s |"
+        )
     return lines
 
 
@@ -158,40 +177,64 @@ def size_rows(runs: dict) -> list[str]:
     sizes = sorted(next(iter(next(iter(runs.values())).values())), key=int)
     reference = sizes[-1]
     points = sum(map(len, runs.values()))
-    lines = [f"| N | mAP50-95, mean over {points} checkpoints of {len(runs)} runs | paired difference to "
-             f"N={reference}: per run | mean, 95% interval over runs | checkpoints lower |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"| N | mAP50-95, mean over {points} checkpoints of {len(runs)} runs | paired difference to "
+        f"N={reference}: per run | mean, 95% interval over runs | checkpoints lower |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for n in sizes:
         per_run = [statistics.fmean(p[n] - p[reference] for p in r.values()) for r in runs.values()]
         mean = statistics.fmean(per_run)
         half = T95[len(per_run) - 2] * statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else 0.0
         lower = sum(p[n] < p[reference] for r in runs.values() for p in r.values())
         mean_map = statistics.fmean(p[n] for r in runs.values() for p in r.values())
-        lines.append(f"| {n} | {mean_map:.4f} | {' '.join(f'{d:+.4f}' for d in per_run)} | {mean:+.4f} "
-                     f"[{mean - half:+.4f}, {mean + half:+.4f}] | {lower} of {points} |")  # fmt: skip
+        lines.append(
+            f"| {n} | {mean_map:.4f} | {' '.join(f'{d:+.4f}' for d in per_run)} | {mean:+.4f} "
+            f"[{mean - half:+.4f}, {mean + half:+.4f}] | {lower} of {points} |"
+        )
     return lines
 
 
 def report(store: dict) -> str:
-    out = ["# precise_bn: cost and sample size", "", "Written by `python benchmarks/precise_bn.py` (its docstring says "
-           "how it measures) on the 2-core CPU machine, one job at a time.", ""]  # fmt: skip
+    out = [
+        "# precise_bn: cost and sample size",
+        "",
+        "Written by `python benchmarks/precise_bn.py` (its docstring says "
+        "how it measures) on the 2-core CPU machine, one job at a time.",
+        "",
+    ]
     if store.get("cost"):
-        out += ["## Cost, as `yoloaccum train` runs it (`python benchmarks/precise_bn.py cost`)", "",
-                *cost_rows(store["cost"]), ""]  # fmt: skip
+        out += [
+            "## Cost, as `yoloaccum train` runs it (`python benchmarks/precise_bn.py cost`)",
+            "",
+            *cost_rows(store["cost"]),
+            "",
+        ]
     if store.get("where"):
         w = store["where"]
         base = w["forward passes alone"]
-        out += [f"## Where the time goes (`python benchmarks/precise_bn.py where`): {w['images']} images at "
-                f"{w['imgsz']} px, yolo26n, {w['threads']} threads, median of 5", "", "| variant | s | vs the passes |",
-                "| --- | --- | --- |"]  # fmt: skip
+        out += [
+            f"## Where the time goes (`python benchmarks/precise_bn.py where`): {w['images']} images at "
+            f"{w['imgsz']} px, yolo26n, {w['threads']} threads, median of 5",
+            "",
+            "| variant | s | vs the passes |",
+            "| --- | --- | --- |",
+        ]
         out += [f"| {k} | {w[k]:.2f} | {w[k] / base:.2f}x |" for k in w if k not in ("images", "imgsz", "threads")]
         out.append("")
     for label, runs in store.get("size", {}).items():
-        each = "; ".join(f"{run} {e}: " + " ".join(f"{v:.3f}" for v in p.values())
-                         for run, r in runs.items() for e, p in r.items())  # fmt: skip
+        each = "; ".join(
+            f"{run} {e}: " + " ".join(f"{v:.3f}" for v in p.values()) for run, r in runs.items() for e, p in r.items()
+        )
         sizes = ", ".join(next(iter(next(iter(runs.values())).values())))
-        out += [f"## Sample size on {label} (`python benchmarks/precise_bn.py size RUN ... --label ...`)", "",
-                f"mAP50-95 per checkpoint, N = {sizes}: {each}.", "", *size_rows(runs), ""]  # fmt: skip
+        out += [
+            f"## Sample size on {label} (`python benchmarks/precise_bn.py size RUN ... --label ...`)",
+            "",
+            f"mAP50-95 per checkpoint, N = {sizes}: {each}.",
+            "",
+            *size_rows(runs),
+            "",
+        ]
     return "\n".join(out)
 
 

@@ -39,9 +39,14 @@ def main() -> None:
     if runs == 1:
         return
     (HERE / "startup.json").write_text(json.dumps(rows, indent=1))
-    lines = ["# Command-line start times (`python benchmarks/startup.py`)", "",
-             f"Whole process, start to exit, median of {runs} runs, one at a time on the 2-core CPU machine.", "",
-             "| command | median |", "| --- | --- |"]  # fmt: skip
+    lines = [
+        "# Command-line start times (`python benchmarks/startup.py`)",
+        "",
+        f"Whole process, start to exit, median of {runs} runs, one at a time on the 2-core CPU machine.",
+        "",
+        "| command | median |",
+        "| --- | --- |",
+    ]
     lines += [f"| `{r['command']}` | {r['median_s']:.2f} s |" for r in rows]
     (HERE / "startup.md").write_text("\n".join(lines) + "\n")
 

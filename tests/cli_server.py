@@ -36,8 +36,17 @@ import traceback
 RUN_TIME = frozenset({"YOLOACCUM_FAULT", "YOLOACCUM_DEBUG", "PYTEST_CURRENT_TEST"})
 
 # What a `yoloaccum train` (or val, predict, plan) process imports before it trains.
-PRELOAD = ("yoloaccum.cli", "yoloaccum.training.trainer", "yoloaccum.evaluation.validate", "yoloaccum.commands.predict", "yoloaccum.commands.plan",
-           "yoloaccum.evaluation.plots", "yoloaccum.data.shapes", "torch.optim", "matplotlib.pyplot")  # fmt: skip
+PRELOAD = (
+    "yoloaccum.cli",
+    "yoloaccum.training.trainer",
+    "yoloaccum.evaluation.validate",
+    "yoloaccum.commands.predict",
+    "yoloaccum.commands.plan",
+    "yoloaccum.evaluation.plots",
+    "yoloaccum.data.shapes",
+    "torch.optim",
+    "matplotlib.pyplot",
+)
 
 
 def _exit_status(e: SystemExit) -> int:
@@ -59,8 +68,10 @@ def _become(request: dict) -> None:
     os.environ.update({k: v for k, v in request["env"].items() if k in RUN_TIME})
     os.chdir(request["cwd"])
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first
-    fds = (os.open(os.devnull, os.O_RDONLY), *(os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                                               for k in ("out", "err")))  # fmt: skip
+    fds = (
+        os.open(os.devnull, os.O_RDONLY),
+        *(os.open(request[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for k in ("out", "err")),
+    )
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)

@@ -39,8 +39,7 @@ def main(out: str, batch: int, nbs: int, sync_all: bool, bn_window: bool, as_ran
     s = schedule.build(cfg, num_images=16, world_size=ctx.world_size, nc=3)
     model = make_model("yolo11n.yaml")
     loss = WindowLoss(model, "window")
-    engine = Engine.build(model, loss, s, ctx, "batch" if bn_window else "frozen", clip_grad=1e9,
-                          no_sync=not sync_all)  # fmt: skip
+    engine = Engine.build(model, loss, s, ctx, "batch" if bn_window else "frozen", clip_grad=1e9, no_sync=not sync_all)
     if bn_window:  # make_model froze BatchNorm; here it trains, with each window's statistics
         norm.convert(model.train())
         engine.window_statistics = norm.WindowStatistics(model)
@@ -70,8 +69,9 @@ def main(out: str, batch: int, nbs: int, sync_all: bool, bn_window: bool, as_ran
         engine.train_epoch(0, list(rank_batches(images, s.micro_batch, ctx)))
     if ctx.is_main:
         weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-        torch.save({"grad": seen["grad"], "weights": weights, "communicated": communicated,
-                    "steps": s.total_steps}, out)  # fmt: skip
+        torch.save(
+            {"grad": seen["grad"], "weights": weights, "communicated": communicated, "steps": s.total_steps}, out
+        )
     distributed.cleanup()
 
 

@@ -395,8 +395,13 @@ def main(only: set[int]) -> int:
         assert text.count(old) == 1, f"{path}: the code to mutate for '{what}' changed; update MUTATIONS"
         file.write_text(text.replace(old, new))
         try:
-            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test], cwd=ROOT,
-                               capture_output=True, text=True, timeout=1200)  # fmt: skip
+            r = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
         finally:
             file.write_text(text)
         caught = r.returncode == 1  # a failed test; 0 passed, anything else an error in collecting or running it

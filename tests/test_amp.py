@@ -36,8 +36,16 @@ def engine_for(model, num_images=32, batch=4, nbs=16, amp=True, init_scale=2.0**
 
     cfg = config.resolve(overrides=dict(batch=batch, nbs=nbs, epochs=1, warmup_epochs=0, optimizer="SGD"))
     s = schedule.build(cfg, num_images)
-    return Engine.build(model, loss or MeanLoss(model), s, CPU, amp=amp, ema=ModelEMA(model),
-                        scaler=torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp), **kw)  # fmt: skip
+    return Engine.build(
+        model,
+        loss or MeanLoss(model),
+        s,
+        CPU,
+        amp=amp,
+        ema=ModelEMA(model),
+        scaler=torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp),
+        **kw,
+    )
 
 
 def counting(obj, name: str, calls: dict) -> None:
@@ -207,8 +215,9 @@ def _carry(first: Engine, second: Engine, data: list[dict]) -> torch.Tensor:
     for b in data[2:]:
         second.micro_step(dict(b))
     seen = []
-    second.optimizer.register_step_pre_hook(lambda opt, *_: seen.append([p.grad.clone() for p in opt.param_groups[0]
-                                                                        ["params"]]))  # fmt: skip
+    second.optimizer.register_step_pre_hook(
+        lambda opt, *_: seen.append([p.grad.clone() for p in opt.param_groups[0]["params"]])
+    )
     second.step(3)
     return torch.cat([g.flatten() for g in seen[0]])
 
@@ -224,8 +233,9 @@ def test_a_carried_window_resumed_with_another_scale_or_without_amp_has_the_unin
     for b in data:
         uninterrupted.micro_step(dict(b))
     reference = []
-    uninterrupted.optimizer.register_step_pre_hook(lambda opt, *_: reference.append(torch.cat(
-        [p.grad.flatten() for p in opt.param_groups[0]["params"]])))  # fmt: skip
+    uninterrupted.optimizer.register_step_pre_hook(
+        lambda opt, *_: reference.append(torch.cat([p.grad.flatten() for p in opt.param_groups[0]["params"]]))
+    )
     uninterrupted.step(3)
     first = engine_for(copy.deepcopy(model), num_images=16, batch=4, nbs=16, init_scale=2.0**10)
     amp = resumed_scale is not None

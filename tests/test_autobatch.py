@@ -33,9 +33,22 @@ def test_plan_says_which_micro_batch_it_chose_and_why(run_cli):
 
 def test_train_with_batch_from_memory_runs_and_says_so(tmp_path, run_cli):
     data = shapes_yaml(tmp_path, num_train=20, num_val=4)
-    r = run_cli("train", f"data={data}", "model=yolo26n.yaml", "imgsz=64", "epochs=1", "batch=0.7", "nbs=32",
-                "grad_checkpointing=True", "workers=0", "val=False", "plots=False", f"project={tmp_path}",
-                "name=auto", timeout=300)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data}",
+        "model=yolo26n.yaml",
+        "imgsz=64",
+        "epochs=1",
+        "batch=0.7",
+        "nbs=32",
+        "grad_checkpointing=True",
+        "workers=0",
+        "val=False",
+        "plots=False",
+        f"project={tmp_path}",
+        "name=auto",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "micro-batch 16 × accumulate 2" in r.stdout and "micro-batch from memory: batch=0.7" in r.stdout
     (row,) = csv.DictReader((tmp_path / "auto/results.csv").open())

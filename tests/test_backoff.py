@@ -48,9 +48,14 @@ def test_out_of_memory_at_one_image_per_device_says_what_to_do():
 
 @pytest.mark.numerics
 def test_split_batch_cuts_a_detection_batch_by_image_with_its_labels():
-    batch = {"img": torch.arange(5).view(5, 1), "batch_idx": torch.tensor([0.0, 2, 2, 3, 4, 4]),
-             "cls": torch.arange(6.0).view(6, 1), "bboxes": torch.arange(24.0).view(6, 4),
-             "im_file": ["a", "b", "c", "d", "e"], "epoch": 3}  # fmt: skip
+    batch = {
+        "img": torch.arange(5).view(5, 1),
+        "batch_idx": torch.tensor([0.0, 2, 2, 3, 4, 4]),
+        "cls": torch.arange(6.0).view(6, 1),
+        "bboxes": torch.arange(24.0).view(6, 4),
+        "im_file": ["a", "b", "c", "d", "e"],
+        "epoch": 3,
+    }
     first, second = split_batch(batch, 2)
     assert first["img"].flatten().tolist() == [0, 1] and first["im_file"] == ["a", "b"]
     assert first["batch_idx"].tolist() == [0] and first["cls"].flatten().tolist() == [0]
@@ -64,8 +69,16 @@ def test_split_batch_cuts_a_detection_batch_by_image_with_its_labels():
 def test_cli_back_off_ends_with_the_weights_of_a_run_at_half_the_micro_batch(exact_args, tmp_path, run_cli):
     # batch=16 nbs=32 on 42 images: windows of 32 and 10 images; batch=8 nbs=32 cuts them into the same windows.
     # Iteration 1 runs out of memory after iteration 0 has added its gradient.
-    r = run_cli("train", f"project={tmp_path}", "name=oom", *exact_args, "batch=16", "nbs=32",
-                env={**SERIAL, "YOLOACCUM_FAULT": "oom@1"}, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"project={tmp_path}",
+        "name=oom",
+        *exact_args,
+        "batch=16",
+        "nbs=32",
+        env={**SERIAL, "YOLOACCUM_FAULT": "oom@1"},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "iteration 1: out of memory at 16 images per device; the window runs again at 8 per device" in r.stdout
     r = run_cli("train", f"project={tmp_path}", "name=half", *exact_args, "batch=8", "nbs=32", env=SERIAL, timeout=600)

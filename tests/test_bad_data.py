@@ -34,8 +34,16 @@ SKIPPED = {
     "tiny_8px.png": "image smaller than 10 px",
 }
 # The added files that are trained on.
-USED = ("trailing_bytes.jpg", "duplicates.png", "no_label.png", "gray.png", "rgba.png", "uint16.png",
-        "wide_300x40.png", "small_10px.png")  # fmt: skip
+USED = (
+    "trailing_bytes.jpg",
+    "duplicates.png",
+    "no_label.png",
+    "gray.png",
+    "rgba.png",
+    "uint16.png",
+    "wide_300x40.png",
+    "small_10px.png",
+)
 NUM_IMAGES = NUM_GENERATED + len(SKIPPED) + len(USED)
 REASONS = {
     "unreadable image": 3,
@@ -338,13 +346,18 @@ def test_summary_lists_ten_skipped_files_at_most() -> None:
     ("scan", "text"),
     [
         # ok.png and class_7.png: both label files found (2), class_7.png also corrupt (1).
-        ({"results": (2, 0, 0, 1, 2), "msgs": [msg("/d/class_7.png", "Label class 7 exceeds dataset class count 4")]},
-         "train: 2 images, 1 skipped: 1 class id >= nc\n  skipped /d/class_7.png: class id >= nc"),
+        (
+            {
+                "results": (2, 0, 0, 1, 2),
+                "msgs": [msg("/d/class_7.png", "Label class 7 exceeds dataset class count 4")],
+            },
+            "train: 2 images, 1 skipped: 1 class id >= nc\n  skipped /d/class_7.png: class id >= nc",
+        ),
         # ok.png and no_label.png: one label file found, one missing.
         ({"results": (1, 1, 0, 0, 2), "msgs": []}, "train: 2 images, 0 skipped; 1 without objects (backgrounds)"),
     ],
     ids=["bad-label", "missing-label"],
-)  # fmt: skip
+)
 def test_summary_counts_each_image_once(scan: dict, text: str) -> None:
     assert data.summary("train", None, scan=scan) == text
 

@@ -66,8 +66,9 @@ def data(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def yolo11_pt(folder: Path, data: Path, run_cli) -> Path:
     """A real checkpoint: yolo11n trained one epoch (val=False still validates the final epoch, so best.pt exists)."""
-    r = run_cli("train", f"data={data}", "model=yolo11n.yaml", *TINY, "val=False", f"project={folder}", "name=y11",
-                timeout=600)  # fmt: skip
+    r = run_cli(
+        "train", f"data={data}", "model=yolo11n.yaml", *TINY, "val=False", f"project={folder}", "name=y11", timeout=600
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return folder / "y11/weights/best.pt"
 
@@ -101,64 +102,103 @@ def train(*args: str) -> tuple[str, ...]:
 CRAFTED = ("needs unsafe unpickling", "could run code", "trust_weights=True")
 MISSING_WEIGHTS = ("weights file {folder}/missing.pt does not exist",)
 BAD_INPUT = [
-    pytest.param(train("data={folder}/missing.yaml"), ("dataset YAML {folder}/missing.yaml does not exist",),
-                 id="data-yaml-missing"),
+    pytest.param(
+        train("data={folder}/missing.yaml"),
+        ("dataset YAML {folder}/missing.yaml does not exist",),
+        id="data-yaml-missing",
+    ),
     pytest.param(train("data={folder}/no_names.yaml"), ("no_names.yaml has no 'names' entry",), id="data-no-names"),
     pytest.param(train("data={folder}/no_train.yaml"), ("no_train.yaml has no 'train' entry",), id="data-no-train"),
     pytest.param(train("data={folder}/no_val.yaml"), ("no_val.yaml has no 'val' entry",), id="data-no-val"),
-    pytest.param(train("data={folder}/path_nowhere.yaml"),
-                 ("{folder}/nowhere/images/train does not exist", "fix 'path'"), id="data-path-nowhere"),
-    pytest.param(train("data={folder}/split_nowhere.yaml"),
-                 ("{folder}/shapes/images/nowhere does not exist",), id="data-split-nowhere"),
-    pytest.param(train("model={folder}/missing.yaml"), ("model {folder}/missing.yaml does not exist",),
-                 id="model-yaml-missing"),
+    pytest.param(
+        train("data={folder}/path_nowhere.yaml"),
+        ("{folder}/nowhere/images/train does not exist", "fix 'path'"),
+        id="data-path-nowhere",
+    ),
+    pytest.param(
+        train("data={folder}/split_nowhere.yaml"),
+        ("{folder}/shapes/images/nowhere does not exist",),
+        id="data-split-nowhere",
+    ),
+    pytest.param(
+        train("model={folder}/missing.yaml"), ("model {folder}/missing.yaml does not exist",), id="model-yaml-missing"
+    ),
     pytest.param(train("pretrained={folder}/missing.pt"), MISSING_WEIGHTS, id="pretrained-missing"),
-    pytest.param(train("pretrained={foreign_pt}"),
-                 ("no tensor of {foreign_pt} matches yolo26n.yaml", "check the architecture"),
-                 id="pretrained-matches-nothing"),
-    pytest.param(train("device=0"), ("device=0 asks for CUDA, but no CUDA device is available", "device=cpu"),
-                 id="cuda-without-cuda",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
-    pytest.param(train("batch=3", "device=0,1"), ("batch=3 does not divide over 2 devices",),
-                 id="batch-not-divisible-by-devices"),
-    pytest.param(train("project={folder}/afile/sub"),
-                 ("cannot write the run folder {folder}/afile/sub/exp", "choose another project="),
-                 id="project-unwritable"),
+    pytest.param(
+        train("pretrained={foreign_pt}"),
+        ("no tensor of {foreign_pt} matches yolo26n.yaml", "check the architecture"),
+        id="pretrained-matches-nothing",
+    ),
+    pytest.param(
+        train("device=0"),
+        ("device=0 asks for CUDA, but no CUDA device is available", "device=cpu"),
+        id="cuda-without-cuda",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+    ),
+    pytest.param(
+        train("batch=3", "device=0,1"), ("batch=3 does not divide over 2 devices",), id="batch-not-divisible-by-devices"
+    ),
+    pytest.param(
+        train("project={folder}/afile/sub"),
+        ("cannot write the run folder {folder}/afile/sub/exp", "choose another project="),
+        id="project-unwritable",
+    ),
     pytest.param(("val", "model={folder}/missing.pt", "data={data}"), MISSING_WEIGHTS, id="val-weights-missing"),
-    pytest.param(("predict", "model={folder}/missing.pt", "source={folder}/image.png", "project={folder}/runs"),
-                 MISSING_WEIGHTS, id="predict-weights-missing"),
+    pytest.param(
+        ("predict", "model={folder}/missing.pt", "source={folder}/image.png", "project={folder}/runs"),
+        MISSING_WEIGHTS,
+        id="predict-weights-missing",
+    ),
     pytest.param(("val", "model={folder}/evil.pt", "data={data}"), CRAFTED, id="val-crafted-pickle"),
-    pytest.param(("predict", "model={folder}/evil.pt", "source={folder}/image.png", "project={folder}/runs"),
-                 CRAFTED, id="predict-crafted-pickle"),
+    pytest.param(
+        ("predict", "model={folder}/evil.pt", "source={folder}/image.png", "project={folder}/runs"),
+        CRAFTED,
+        id="predict-crafted-pickle",
+    ),
     pytest.param(train("pretrained={folder}/evil.pt"), CRAFTED, id="train-pretrained-crafted-pickle"),
     pytest.param(train("model={folder}/evil.pt"), CRAFTED, id="train-model-crafted-pickle"),
     # issue 46: what a user coming from `yolo train` gave, and what it got before
-    pytest.param(train("cfg={folder}/binary.yaml"), ("{folder}/binary.yaml is not a text file", "give a YAML file"),
-                 id="cfg-binary"),
+    pytest.param(
+        train("cfg={folder}/binary.yaml"),
+        ("{folder}/binary.yaml is not a text file", "give a YAML file"),
+        id="cfg-binary",
+    ),
     pytest.param(train("data={folder}/binary.yaml"), ("{folder}/binary.yaml is not a text file",), id="data-binary"),
-    pytest.param(("plan", "images=100", "--plot", "{folder}/nowhere/s.png"),
-                 ("the folder {folder}/nowhere does not exist",), id="plan-plot-folder-missing"),
+    pytest.param(
+        ("plan", "images=100", "--plot", "{folder}/nowhere/s.png"),
+        ("the folder {folder}/nowhere does not exist",),
+        id="plan-plot-folder-missing",
+    ),
     pytest.param(train("cache=foo"), ("cache=foo is not true/false or one of ram, disk",), id="cache-unknown"),
     pytest.param(train("name=../../x"), ("name=../../x would put the run outside project=",), id="name-leaves-project"),
     pytest.param(train("lrf=2"), ("lrf=2.0 must be between 0 and 1",), id="lrf-above-1"),
     pytest.param(train("momentum=1.5"), ("momentum=1.5 must be between 0 and 1",), id="momentum-above-1"),
-    pytest.param(train("model={folder}/corrupt.pt"), ("corrupt.pt is not a readable PyTorch checkpoint",),
-                 id="corrupt-pt"),
-    pytest.param(train("--batch=8"), ("--batch=8: settings are key=value without dashes", ": batch=8"),
-                 id="dashed-key"),
-    pytest.param(("train", "--batch", "8"), ("No such option: --batch", "see yoloaccum train --help"),
-                 id="unknown-option"),
-    pytest.param(train("model=yolo26n.pt"), ("yolo26n.pt is not here, and yoloaccum downloads nothing",
-                                             "give its path"), id="released-weights-not-here"),
+    pytest.param(
+        train("model={folder}/corrupt.pt"), ("corrupt.pt is not a readable PyTorch checkpoint",), id="corrupt-pt"
+    ),
+    pytest.param(
+        train("--batch=8"), ("--batch=8: settings are key=value without dashes", ": batch=8"), id="dashed-key"
+    ),
+    pytest.param(
+        ("train", "--batch", "8"), ("No such option: --batch", "see yoloaccum train --help"), id="unknown-option"
+    ),
+    pytest.param(
+        train("model=yolo26n.pt"),
+        ("yolo26n.pt is not here, and yoloaccum downloads nothing", "give its path"),
+        id="released-weights-not-here",
+    ),
     pytest.param(train("device=mps"), ("not Apple's MPS; use device=cpu",), id="mps"),
     pytest.param(train("rect=True"), ("rect=True trains on batches of similar aspect ratio",), id="rect"),
     pytest.param(train("freeze=[99]"), ("freeze=[99]: 99 names no layer of the model",), id="freeze-no-such-layer"),
     pytest.param(train("freeze=100"), ("freeze=100 freezes the whole model",), id="freeze-everything"),
     pytest.param(train("classes=[7]"), ("classes=[7]:", "has class ids 0 to 3, not 7"), id="classes-out-of-range"),
-    pytest.param(train("dropout=0.1"), ("'dropout' is an Ultralytics setting", "classification models only"),
-                 id="classification-only-key"),
+    pytest.param(
+        train("dropout=0.1"),
+        ("'dropout' is an Ultralytics setting", "classification models only"),
+        id="classification-only-key",
+    ),
     pytest.param(train("batch=None"), ("batch=None is not an integer",), id="none-for-a-number"),
-]  # fmt: skip
+]
 
 
 def check_one_line(r, phrases: tuple, inputs: Inputs, folder: Path) -> None:
@@ -208,8 +248,16 @@ def test_a_fresh_process_exits_2_with_one_line(request, run_cli, folder: Path) -
 
 
 def test_pretrained_of_another_architecture_loads_what_matches(run_cli, folder: Path, data: Path, yolo11_pt: Path):
-    r = run_cli("train", f"data={data}", "model=yolov8n.yaml", *TINY, f"pretrained={yolo11_pt}",
-                f"project={folder}/runs", "name=v8", timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data}",
+        "model=yolov8n.yaml",
+        *TINY,
+        f"pretrained={yolo11_pt}",
+        f"project={folder}/runs",
+        "name=v8",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     m = re.search(r"transferred (\d+)/(\d+) tensors", r.stdout + r.stderr)
     assert m, r.stdout[-2000:]

@@ -24,8 +24,14 @@ def scratch_env(tmp_path) -> dict[str, str]:
 
 
 def test_bench_smoke_produces_every_figure(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke"], cwd=REPO, env=scratch_env(tmp_path),
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "benchmarks/bench.py", "--smoke"],
+        cwd=REPO,
+        env=scratch_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     # The report is the first JSON object on stdout; Ultralytics may print before it (its image-caching bar).
     report, _ = json.JSONDecoder().raw_decode(r.stdout[r.stdout.index("{\n") :])
@@ -41,8 +47,15 @@ def test_bench_smoke_produces_every_figure(tmp_path):
 
 
 def test_bench_ddp_quick_counts_one_all_reduce_per_window(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "benchmarks/ddp.py",
-           "--quick"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "benchmarks/ddp.py",
+        "--quick",
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=scratch_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(line for line in r.stdout.splitlines() if line.startswith("| 8 |")).split("|")
@@ -51,8 +64,14 @@ def test_bench_ddp_quick_counts_one_all_reduce_per_window(tmp_path):
 
 
 def test_fidelity_smoke_writes_the_report_table_and_plot(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--smoke", "--out", str(tmp_path)], cwd=REPO,
-                       env=scratch_env(tmp_path), capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "benchmarks/fidelity.py", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=scratch_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     (runs,) = json.loads((tmp_path / "fidelity.json").read_text()).values()
     assert sorted(runs) == ["b64", "ultralytics-b8"] and all(sorted(r) == ["0", "1"] for r in runs.values())
@@ -65,8 +84,14 @@ def test_fidelity_smoke_writes_the_report_table_and_plot(tmp_path):
 
 @pytest.mark.parametrize(("script", "expect"), [("bn_window.py", "bn=window"), ("startup.py", "yoloaccum plan")])
 def test_small_benchmarks_run(script, expect, tmp_path):
-    r = subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke"], cwd=REPO, env=scratch_env(tmp_path),
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--smoke"],
+        cwd=REPO,
+        env=scratch_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert expect in r.stdout
     if script == "bn_window.py":  # every bn=window mode timed its statistics pass
@@ -76,8 +101,14 @@ def test_small_benchmarks_run(script, expect, tmp_path):
 
 
 def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/defaults.py", "--smoke"], cwd=REPO, env=scratch_env(tmp_path),
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "benchmarks/defaults.py", "--smoke"],
+        cwd=REPO,
+        env=scratch_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(line for line in r.stdout.splitlines() if line.startswith("| smoke |")).split("|")
     seconds = [float(cell.strip().removesuffix("s")) for cell in (row[3], row[4], row[6], row[7])]

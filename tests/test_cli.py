@@ -166,10 +166,21 @@ def test_plan_json_top_level(plan_json: dict) -> None:
 def test_plan_json_summary(plan_json: dict) -> None:
     s = plan_json["summary"]
     documented = {
-        "images", "world_size", "micro_batch_per_device", "accumulate", "effective_batch", "weight_decay",
-        "weight_decay_scaled", "warmup_iterations", "accumulate_ramp", "optimizer", "lr0", "steps_per_epoch",
-        "total_steps", "warnings",
-    }  # fmt: skip
+        "images",
+        "world_size",
+        "micro_batch_per_device",
+        "accumulate",
+        "effective_batch",
+        "weight_decay",
+        "weight_decay_scaled",
+        "warmup_iterations",
+        "accumulate_ramp",
+        "optimizer",
+        "lr0",
+        "steps_per_epoch",
+        "total_steps",
+        "warnings",
+    }
     assert documented <= s.keys()
     assert (s["images"], s["world_size"], s["micro_batch_per_device"]) == (512, 1, 8)
     assert (s["accumulate"], s["effective_batch"]) == (8, 64)
@@ -316,7 +327,13 @@ def test_commands_that_train_nothing_answer_without_importing_torch(args):
 
     from conftest import REPO, offline_env
 
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "yoloaccum", *args], cwd=REPO, env=offline_env(),
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "yoloaccum", *args],
+        cwd=REPO,
+        env=offline_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "import time:" in line}
     assert not imported & {"torch", "ultralytics", "matplotlib"}, sorted(imported & {"torch", "ultralytics"})

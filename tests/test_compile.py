@@ -35,8 +35,19 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import CTX, engine_for, make_batches  # noqa: E402
 
 # 20 images at batch 8: micro-batches of 8, 8 and a short one of 4, which yoloaccum trains rather than drops.
-RUN = ("model=" + TINY_MODEL, "imgsz=64", "batch=8", "nbs=16", "workers=0", "plots=False", "exist_ok=True",
-       "compile=True", "warmup_epochs=0", "seed=0", "deterministic=True")  # fmt: skip
+RUN = (
+    "model=" + TINY_MODEL,
+    "imgsz=64",
+    "batch=8",
+    "nbs=16",
+    "workers=0",
+    "plots=False",
+    "exist_ok=True",
+    "compile=True",
+    "warmup_epochs=0",
+    "seed=0",
+    "deterministic=True",
+)
 
 
 @pytest.mark.parametrize(("value", "mode"), [(False, None), (True, "default"), ("max-autotune", "max-autotune")])
@@ -50,13 +61,16 @@ def test_an_unknown_compile_mode_is_refused():
         config.resolve(["compile=fast"])
 
 
-@pytest.mark.parametrize(("images", "micro", "world", "sizes"), [
-    (20, 8, 1, (8, 4)),  # a short last micro-batch
-    (24, 8, 1, (8,)),  # none
-    (42, 8, 2, (8, 5)),  # the last global batch of 10 split over 2 ranks
-    (43, 8, 2, (8, 6, 5)),  # 11: 5 and 6
-    (5, 8, 1, (5,)),  # fewer images than one micro-batch
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("images", "micro", "world", "sizes"),
+    [
+        (20, 8, 1, (8, 4)),  # a short last micro-batch
+        (24, 8, 1, (8,)),  # none
+        (42, 8, 2, (8, 5)),  # the last global batch of 10 split over 2 ranks
+        (43, 8, 2, (8, 6, 5)),  # 11: 5 and 6
+        (5, 8, 1, (5,)),  # fewer images than one micro-batch
+    ],
+)
 def test_micro_batch_sizes_are_those_the_sampler_gives(images, micro, world, sizes):
     assert batches.micro_batch_sizes(images, micro, world) == sizes
     given = set()
@@ -164,14 +178,26 @@ def test_where_compiling_cannot_work_the_run_trains_eager_with_one_warning(tmp_p
         env["CXX"] = str(tmp_path / "no-such-compiler")
     elif case == "failing compiler":
         env["CXX"] = str(tmp_path / "g++")
-        Path(env["CXX"]).write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "g++ (fake) 12.0"; exit 0; fi\n'
-                                    'echo "fake g++: cannot compile" >&2; exit 1\n')  # fmt: skip
+        Path(env["CXX"]).write_text(
+            '#!/bin/sh\nif [ "$1" = --version ]; then echo "g++ (fake) 12.0"; exit 0; fi\n'
+            'echo "fake g++: cannot compile" >&2; exit 1\n'
+        )
         Path(env["CXX"]).chmod(0o755)
     else:
         extra = ("grad_checkpointing=True",)
     data_yaml = shapes_yaml(tmp_path, num_train=20, num_val=4)
-    r = run_cli("train", f"data={data_yaml}", f"project={tmp_path}", "name=eager", "epochs=1", "val=False", *RUN,
-                *extra, env=env, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data_yaml}",
+        f"project={tmp_path}",
+        "name=eager",
+        "epochs=1",
+        "val=False",
+        *RUN,
+        *extra,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     warnings = [line for line in r.stdout.splitlines() if line.startswith("warning: compile=default")]
     assert len(warnings) == 1, r.stdout
@@ -189,9 +215,25 @@ def test_two_compiled_ranks_end_where_two_eager_ranks_do(tmp_path: Path):
     batch 16 on 2 ranks: micro-batches of 8, and of 4 at the end of the epoch, the graphs compiled above."""
     data_yaml = shapes_yaml(tmp_path, num_train=40, num_val=4)
     for compile_ in (False, True):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "yoloaccum",
-               "train", f"data={data_yaml}", f"project={tmp_path}", f"name=compile_{compile_}", "epochs=1",
-               "val=False", *RUN, "batch=16", "nbs=32", f"compile={compile_}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "yoloaccum",
+            "train",
+            f"data={data_yaml}",
+            f"project={tmp_path}",
+            f"name=compile_{compile_}",
+            "epochs=1",
+            "val=False",
+            *RUN,
+            "batch=16",
+            "nbs=32",
+            f"compile={compile_}",
+        ]
         env = offline_env({**SERIAL, "TORCH_LOGS": "recompiles"})
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -213,8 +255,18 @@ def test_sizes_made_by_a_back_off_are_compiled_before_they_run(tmp_path: Path, r
     are those the CLI test above compiled (bn=frozen, 4 images), so inductor reads them from its cache; dynamo still
     traces them again, which TORCH_LOGS=recompiles shows."""
     data_yaml = shapes_yaml(tmp_path, num_train=24, num_val=4)
-    r = run_cli("train", f"data={data_yaml}", f"project={tmp_path}", "name=oom", "epochs=1", "bn=frozen", "val=False",
-                *RUN, env={**SERIAL, "YOLOACCUM_FAULT": "oom@1", "TORCH_LOGS": "recompiles"}, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data_yaml}",
+        f"project={tmp_path}",
+        "name=oom",
+        "epochs=1",
+        "bn=frozen",
+        "val=False",
+        *RUN,
+        env={**SERIAL, "YOLOACCUM_FAULT": "oom@1", "TORCH_LOGS": "recompiles"},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "compile: compiled (default, one graph per batch size) for micro-batches of 8 in" in out

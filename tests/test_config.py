@@ -85,8 +85,10 @@ def test_replace_returns_a_validated_copy() -> None:
         cfg.replace(accumulate=4)
 
 
-@pytest.mark.parametrize(("given", "canonical"), [("sgd", "SGD"), ("adamw", "AdamW"), ("RMSProp", "RMSprop"),
-                                                  ("musgd", "MuSGD"), ("AUTO", "auto")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [("sgd", "SGD"), ("adamw", "AdamW"), ("RMSProp", "RMSprop"), ("musgd", "MuSGD"), ("AUTO", "auto")],
+)
 def test_optimizer_names_match_in_any_case_as_in_ultralytics(tmp_path: Path, given: str, canonical: str) -> None:
     assert config.resolve([f"optimizer={given}"]).optimizer == canonical
     assert config.resolve([_recipe(tmp_path, f"optimizer: {given}\n")]).optimizer == canonical
@@ -257,25 +259,31 @@ def test_every_cfg_attribute_the_code_reads_is_a_key() -> None:
 
     root = Path(config.__file__).parents[1]
     allowed = set(config.schema()) | {n for n in dir(config.Config) if not n.startswith("_")} | {"ignored"}
-    unknown = [f"{path.relative_to(root)}:{n}: cfg.{name}"
-               for path in [*root.glob("yoloaccum/*.py"), *root.glob("benchmarks/*.py")]
-               for n, line in enumerate(path.read_text().splitlines(), 1)
-               for name in re.findall(r"\bcfg\.([a-z_0-9]+)", line) if name not in allowed]  # fmt: skip
+    unknown = [
+        f"{path.relative_to(root)}:{n}: cfg.{name}"
+        for path in [*root.glob("yoloaccum/*.py"), *root.glob("benchmarks/*.py")]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for name in re.findall(r"\bcfg\.([a-z_0-9]+)", line)
+        if name not in allowed
+    ]
     assert not unknown, unknown
     with pytest.raises(AttributeError, match="Config has no key 'nsb'; did you mean 'nbs'"):
         config.resolve([]).nsb  # noqa: B018
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("fraction=1.5", "fraction=1.5 must be between 0 and 1"),
-    ("fraction=-0.1", "fraction=-0.1 must be between 0 and 1"),
-    ("clip_grad=0", "clip_grad=0.0 must be greater than 0"),
-    ("workers=-1", "workers=-1 must not be negative"),
-    ("imgsz=100", "imgsz=100 must be a multiple of 32; e.g. imgsz=96"),
-    ("mosaic_buffer=all", "mosaic_buffer=all is not one of window, batch"),
-    ("precise_bn=-1", "precise_bn=-1 must not be negative"),
-    ("compile=fast", "compile=fast is not true/false or one of default, reduce-overhead"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("fraction=1.5", "fraction=1.5 must be between 0 and 1"),
+        ("fraction=-0.1", "fraction=-0.1 must be between 0 and 1"),
+        ("clip_grad=0", "clip_grad=0.0 must be greater than 0"),
+        ("workers=-1", "workers=-1 must not be negative"),
+        ("imgsz=100", "imgsz=100 must be a multiple of 32; e.g. imgsz=96"),
+        ("mosaic_buffer=all", "mosaic_buffer=all is not one of window, batch"),
+        ("precise_bn=-1", "precise_bn=-1 must not be negative"),
+        ("compile=fast", "compile=fast is not true/false or one of default, reduce-overhead"),
+    ],
+)
 def test_each_rule_of_default_yaml_is_enforced_with_its_message(arg, message) -> None:
     with pytest.raises(UserError, match=re.escape(message)):
         config.resolve([arg])

@@ -74,8 +74,18 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_on_cuda(mode):
 
 
 # ----------------------------------------------------------------------------------------------- on a real GPU
-CUDA_RUN = ("model=yolo26n.yaml", "imgsz=64", "batch=8", "nbs=16", "epochs=1", "workers=0", "plots=False",
-            "precise_bn=0", "exist_ok=True", "seed=0")  # fmt: skip
+CUDA_RUN = (
+    "model=yolo26n.yaml",
+    "imgsz=64",
+    "batch=8",
+    "nbs=16",
+    "epochs=1",
+    "workers=0",
+    "plots=False",
+    "precise_bn=0",
+    "exist_ok=True",
+    "seed=0",
+)
 
 
 @pytest.mark.cuda
@@ -88,8 +98,18 @@ def test_amp_on_cuda_trains_as_fp32_does(tmp_path, run_cli):
     data = shapes_yaml(tmp_path, num_train=32, num_val=8)
     losses = {}
     for amp in ("True", "False"):
-        r = run_cli("train", f"data={data}", f"project={tmp_path}", f"name=amp{amp}", "device=0", f"amp={amp}",
-                    *CUDA_RUN, "nbs=8", "epochs=4", timeout=600)  # fmt: skip
+        r = run_cli(
+            "train",
+            f"data={data}",
+            f"project={tmp_path}",
+            f"name=amp{amp}",
+            "device=0",
+            f"amp={amp}",
+            *CUDA_RUN,
+            "nbs=8",
+            "epochs=4",
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         row = list(csv.DictReader((tmp_path / f"amp{amp}/results.csv").open()))[-1]
         losses[amp] = float(row["train/box_loss"])

@@ -88,20 +88,40 @@ def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "--local_addr=127.0.0.1", "-m", "yoloaccum",
-            "train", f"project={tmp_path}", "name=nodes", *exact_args, "batch=4", "nbs=16"]  # fmt: skip
+    node = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        "--rdzv_id=two-nodes",
+        "--local_addr=127.0.0.1",
+        "-m",
+        "yoloaccum",
+        "train",
+        f"project={tmp_path}",
+        "name=nodes",
+        *exact_args,
+        "batch=4",
+        "nbs=16",
+    ]
     # One thread a rank, as torchrun sets when it starts several on one machine: with one each it does not, and two
     # launchers of two threads each on a 2-core runner made this test two to three times slower.
     env = offline_env({"GLOO_SOCKET_IFNAME": "lo", **SERIAL})
-    nodes = [subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     errors = [n.communicate(timeout=600)[1] for n in nodes]
     # torchrun's c10d rendezvous lives in one launcher: when it exits first, the other's agent, still polling it for
     # waiting nodes after its rank finished, can fail with RendezvousConnectionError (pytorch/pytorch#69197), a race
     # in the launcher's shutdown after training has ended. Only that, and only where both ranks finished, is allowed.
-    shutdown_race = [n.returncode != 0 and "num_nodes_waiting" in e and "RendezvousConnectionError" in e
-                     for n, e in zip(nodes, errors)]  # fmt: skip
+    shutdown_race = [
+        n.returncode != 0 and "num_nodes_waiting" in e and "RendezvousConnectionError" in e
+        for n, e in zip(nodes, errors)
+    ]
     finished = (tmp_path / "nodes/weights/last.pt").exists()
     assert all(n.returncode == 0 or (race and finished) for n, race in zip(nodes, shutdown_race)), (
         errors[0][-2000:] + errors[1][-2000:]
@@ -115,8 +135,17 @@ def test_two_nodes_of_one_rank_each_end_with_the_big_batch_weights(big_batch_run
 def test_torchrun_smoke_run_writes_the_outputs_of_a_single_process_run(tmp_path, run_cli):
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
     # plots on: they are outputs too
-    args = ("train", f"data={data}", f"model={TINY_MODEL}", "imgsz=64", "batch=4", "nbs=8", "epochs=1", "workers=0",
-            f"project={tmp_path}")  # fmt: skip
+    args = (
+        "train",
+        f"data={data}",
+        f"model={TINY_MODEL}",
+        "imgsz=64",
+        "batch=4",
+        "nbs=8",
+        "epochs=1",
+        "workers=0",
+        f"project={tmp_path}",
+    )
     r = torchrun(2, "-m", "yoloaccum", *args, "name=ddp")
     assert r.returncode == 0, r.stderr[-3000:]
     assert run_cli(*args, "name=single", timeout=600).returncode == 0
@@ -134,8 +163,21 @@ def two_rank_run(tmp_path_factory) -> tuple[tuple[str, ...], Path]:
     """A 2-rank job with mosaic on, never interrupted: its arguments (less project=) and its run folder."""
     folder = tmp_path_factory.mktemp("two_rank_run")
     data = shapes_yaml(folder, num_train=24, num_val=6, seed=7)
-    args = ("-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
-            "workers=0", "warmup_epochs=1", "close_mosaic=0", "val=False")  # fmt: skip
+    args = (
+        "-m",
+        "yoloaccum",
+        "train",
+        f"data={data}",
+        *PLUMBING,
+        "imgsz=64",
+        "batch=4",
+        "nbs=8",
+        "epochs=2",
+        "workers=0",
+        "warmup_epochs=1",
+        "close_mosaic=0",
+        "val=False",
+    )
     full = torchrun(2, *args, f"project={folder}", "name=full", env=SERIAL)
     assert full.returncode == 0, full.stderr[-3000:]
     return args, folder / "full"
@@ -182,12 +224,33 @@ def test_a_hung_rank_ends_the_job_within_ddp_timeout_and_is_named(tmp_path):
     from yoloaccum.model import checkpoint
 
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
-    cmd = [*TORCHRUN, "--nproc_per_node=2", "-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64",
-           "batch=4", "nbs=8", "epochs=2", "workers=0", "ddp_timeout=10", f"project={tmp_path}",
-           "name=hang"]  # fmt: skip
+    cmd = [
+        *TORCHRUN,
+        "--nproc_per_node=2",
+        "-m",
+        "yoloaccum",
+        "train",
+        f"data={data}",
+        *PLUMBING,
+        "imgsz=64",
+        "batch=4",
+        "nbs=8",
+        "epochs=2",
+        "workers=0",
+        "ddp_timeout=10",
+        f"project={tmp_path}",
+        "name=hang",
+    ]
     start, lines = time.monotonic(), []
-    job = subprocess.Popen(cmd, cwd=REPO, env=offline_env({"YOLOACCUM_FAULT": "hang@8:1"}), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    job = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=offline_env({"YOLOACCUM_FAULT": "hang@8:1"}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     watchdog = threading.Timer(150, kill_every_process_of, (tmp_path,))  # a job that never says it: ends stderr
     watchdog.start()
     try:
@@ -211,9 +274,23 @@ def test_a_failing_rank_ends_the_job(kind, tmp_path):
     """Rank 1 fails in the second epoch: the job exits non-zero promptly, and epoch 1's last.pt still loads."""
     data = shapes_yaml(tmp_path, num_train=24, num_val=6, seed=7)
     start = time.monotonic()
-    r = torchrun(2, "-m", "yoloaccum", "train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2",
-                 "workers=0", f"project={tmp_path}", "name=fail", env={"YOLOACCUM_FAULT": f"{kind}@8:1"},
-                 timeout=300)  # fmt: skip
+    r = torchrun(
+        2,
+        "-m",
+        "yoloaccum",
+        "train",
+        f"data={data}",
+        *PLUMBING,
+        "imgsz=64",
+        "batch=4",
+        "nbs=8",
+        "epochs=2",
+        "workers=0",
+        f"project={tmp_path}",
+        "name=fail",
+        env={"YOLOACCUM_FAULT": f"{kind}@8:1"},
+        timeout=300,
+    )
     assert r.returncode != 0
     assert time.monotonic() - start < 240
     from yoloaccum.model import checkpoint

@@ -19,9 +19,21 @@ from yoloaccum.training.training_state import TrainingState
 
 
 def _trainer(tmp_path, **changes) -> Trainer:
-    settings = {"data": str(shapes_yaml(tmp_path, num_train=8, num_val=4)), "model": "yolo26n.yaml", "imgsz": 64,
-                "batch": 4, "nbs": 8, "epochs": 2, "workers": 0, "plots": False, "verbose": False, "precise_bn": 0,
-                "project": str(tmp_path), "name": "run", **changes}  # fmt: skip
+    settings = {
+        "data": str(shapes_yaml(tmp_path, num_train=8, num_val=4)),
+        "model": "yolo26n.yaml",
+        "imgsz": 64,
+        "batch": 4,
+        "nbs": 8,
+        "epochs": 2,
+        "workers": 0,
+        "plots": False,
+        "verbose": False,
+        "precise_bn": 0,
+        "project": str(tmp_path),
+        "name": "run",
+        **changes,
+    }
     return Trainer.from_config(config.resolve(overrides=settings))
 
 
@@ -185,9 +197,21 @@ def test_a_stop_inside_an_epoch_logs_its_steps_and_the_resumed_run_logs_on(tmp_p
     from conftest import offline_env
 
     data = shapes_yaml(tmp_path, num_train=16, num_val=4)
-    args = ("train", f"data={data}", *PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=2", "workers=0",
-            "precise_bn=0", "warmup_epochs=0", "tensorboard=True", f"project={tmp_path}",
-            "name=run")  # fmt: skip
+    args = (
+        "train",
+        f"data={data}",
+        *PLUMBING,
+        "imgsz=64",
+        "batch=4",
+        "nbs=8",
+        "epochs=2",
+        "workers=0",
+        "precise_bn=0",
+        "warmup_epochs=0",
+        "tensorboard=True",
+        f"project={tmp_path}",
+        "name=run",
+    )
     stopped = run_cli(*args, env=offline_env({"YOLOACCUM_FAULT": "sigint@5"}), timeout=600)
     assert stopped.returncode != 0 and "resume with" in stopped.stderr, stopped.stderr[-2000:]
     assert [s for s, _ in _scalars(tmp_path / "run")["step/accumulate"]] == [1, 3, 5]

@@ -12,8 +12,17 @@ pytestmark = pytest.mark.numerics  # every test here is an exactness proof: `mak
 
 
 def accumulated_run(norm, exact_args, tmp_path, run_cli):
-    r = run_cli("train", f"project={tmp_path}", f"name={norm}", *exact_args, "batch=4", "nbs=16", f"norm={norm}",
-                env=SERIAL, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"project={tmp_path}",
+        f"name={norm}",
+        *exact_args,
+        "batch=4",
+        "nbs=16",
+        f"norm={norm}",
+        env=SERIAL,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return final_weights(tmp_path / norm)
 

@@ -47,8 +47,22 @@ def ultralytics_run(data, tmp_path_factory) -> Path:
 
     data_.load_spec(data)  # the shapes set generates itself on first use; Ultralytics' trainer needs it made
     project = tmp_path_factory.mktemp("ultralytics")
-    args = dict(model=TINY_MODEL, data=str(data), imgsz=32, epochs=1, batch=8, workers=0, device="cpu", amp=False,
-                plots=False, val=False, project=str(project), name="train", exist_ok=True, verbose=False)  # fmt: skip
+    args = dict(
+        model=TINY_MODEL,
+        data=str(data),
+        imgsz=32,
+        epochs=1,
+        batch=8,
+        workers=0,
+        device="cpu",
+        amp=False,
+        plots=False,
+        val=False,
+        project=str(project),
+        name="train",
+        exist_ok=True,
+        verbose=False,
+    )
     DetectionTrainer(overrides=args).train()
     return project / "train"
 
@@ -67,8 +81,18 @@ def pretrained_pt(tmp_path_factory) -> Path:
 def test_the_args_yaml_of_a_real_yolo_train_run_trains(ultralytics_run, data, tmp_path, run_cli):
     recipe = ultralytics_run / "args.yaml"
     assert {"save_dir", "mode", "task"} <= yaml.safe_load(recipe.read_text()).keys()
-    r = run_cli("train", f"cfg={recipe}", f"data={data}", "epochs=1", "imgsz=64", f"project={tmp_path}", "name=ours",
-                "val=False", "precise_bn=0", timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"cfg={recipe}",
+        f"data={data}",
+        "epochs=1",
+        "imgsz=64",
+        f"project={tmp_path}",
+        "name=ours",
+        "val=False",
+        "precise_bn=0",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     dropped = [line for line in r.stdout.splitlines() if line.startswith("the recipe's keys that yoloaccum does not")]
     assert len(dropped) == 1 and "save_dir" in dropped[0] and "(they describe a run, not a recipe)" in dropped[0]
@@ -186,8 +210,21 @@ def first_window_gradient(cfg: config.Config) -> tuple[torch.Tensor, list[torch.
 def test_amp_bf16_trains_in_bfloat16_on_the_cpu_close_to_fp32(data, tmp_path):
     """amp=bf16 through the real Engine on the CPU's bfloat16 autocast: the forward computes in bfloat16, no
     GradScaler is used, and the window's gradient points where fp32's does (bfloat16 keeps 8 bits of mantissa)."""
-    overrides = dict(data=str(data), model="yolo26n.yaml", imgsz=64, batch=4, nbs=8, epochs=1, warmup_epochs=0,
-                     workers=0, plots=False, mosaic=0.0, bn="batch", project=str(tmp_path), seed=1)  # fmt: skip
+    overrides = dict(
+        data=str(data),
+        model="yolo26n.yaml",
+        imgsz=64,
+        batch=4,
+        nbs=8,
+        epochs=1,
+        warmup_epochs=0,
+        workers=0,
+        plots=False,
+        mosaic=0.0,
+        bn="batch",
+        project=str(tmp_path),
+        seed=1,
+    )
     fp32, fp32_types = first_window_gradient(config.resolve(overrides={**overrides, "amp": False, "name": "fp32"}))
     bf16, bf16_types = first_window_gradient(config.resolve(overrides={**overrides, "amp": "bf16", "name": "bf16"}))
     assert set(fp32_types) == {torch.float32} and set(bf16_types) == {torch.bfloat16}

@@ -28,8 +28,9 @@ EXPECTED = {
 def build(optimizer: str, rule: str, effective: int) -> schedule.Schedule:
     batch, images, epochs = EFFECTIVE[effective]
     lr0 = 0.01 if optimizer == "SGD" else 0.001
-    cfg = config.resolve(overrides=dict(batch=batch, nbs=64, epochs=epochs, warmup_epochs=0, optimizer=optimizer,
-                                        lr0=lr0, lr_scale=rule))  # fmt: skip
+    cfg = config.resolve(
+        overrides=dict(batch=batch, nbs=64, epochs=epochs, warmup_epochs=0, optimizer=optimizer, lr0=lr0, lr_scale=rule)
+    )
     s = schedule.build(cfg, images)
     assert s.effective_batch == effective
     return s
@@ -64,7 +65,11 @@ def test_plan_shows_the_rule_and_warns_for_adamw_far_from_nbs(run_cli):
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["summary"]
     assert (s["lr_scale"], s["optimizer_family"], s["effective_batch_ratio"], s["lr_multiplier"]) == (
-        "ultralytics", "adaptive", 4.0, 1.0)  # fmt: skip
+        "ultralytics",
+        "adaptive",
+        4.0,
+        1.0,
+    )
     (warning,) = [w for w in s["warnings"] if "lr_scale=ultralytics the lr does not follow the batch" in w]
     assert "lr_scale=linear kept accuracy closest to a real batch of nbs at 2x and 4x" in warning  # as measured
     r = run_cli("plan", "images=25600", "batch=256", "nbs=64", "optimizer=AdamW", "lr0=0.001", "lr_scale=sqrt")

@@ -20,8 +20,17 @@ def conv_net() -> nn.Sequential:
     """Two convolutions, each followed by BatchNorm (non-trivial affine): the second layer's input depends on the
     first's normalisation, so a wrong upstream statistic shows downstream."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
-                        nn.SiLU(), nn.Conv2d(8, 2, 1), nn.Flatten(), nn.LazyLinear(2))  # fmt: skip
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.SiLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.SiLU(),
+        nn.Conv2d(8, 2, 1),
+        nn.Flatten(),
+        nn.LazyLinear(2),
+    )
     net(torch.rand(2, 3, 9, 9))  # the lazy layer's shape
     for m in net.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -207,8 +216,11 @@ def test_the_engine_passes_over_each_window_before_its_first_micro_step():
     passes, order = [], []
     norm.convert(engine.raw_model)
     statistics = WindowStatistics(engine.raw_model)
-    engine.window_statistics = lambda batches: (passes.append([b["img"] for b in batches]), order.append("pass"),
-                                                statistics(batches))  # fmt: skip
+    engine.window_statistics = lambda batches: (
+        passes.append([b["img"] for b in batches]),
+        order.append("pass"),
+        statistics(batches),
+    )
     engine.raw_model.register_forward_pre_hook(lambda *_: order.append("forward"))
     g = torch.Generator().manual_seed(0)
     batches = [{"img": torch.randn(4, 6, generator=g), "target": torch.randn(4, 2, generator=g)} for _ in range(10)]
@@ -256,8 +268,10 @@ def test_a_back_off_normalises_over_the_same_images_as_a_run_at_half_the_micro_b
         engine.train_epoch(0, [{"img": x[i : i + batch], "target": y[i : i + batch]} for i in range(0, 32, batch)])
         assert engine.back_offs == ([1] if fault else [])
         nets.append(net)
-    for x, y in zip(list(nets[0].state_dict().values()) + list(nets[0].buffers()),
-                    list(nets[1].state_dict().values()) + list(nets[1].buffers())):  # fmt: skip
+    for x, y in zip(
+        list(nets[0].state_dict().values()) + list(nets[0].buffers()),
+        list(nets[1].state_dict().values()) + list(nets[1].buffers()),
+    ):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
@@ -323,8 +337,18 @@ def test_compiled_bn_window_equals_eager(tmp_path):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-RUN = (*PLUMBING, "imgsz=64", "batch=2", "nbs=8", "epochs=2", "workers=0", "warmup_epochs=1", "close_mosaic=0",
-       "bn=window", "exist_ok=True")  # fmt: skip
+RUN = (
+    *PLUMBING,
+    "imgsz=64",
+    "batch=2",
+    "nbs=8",
+    "epochs=2",
+    "workers=0",
+    "warmup_epochs=1",
+    "close_mosaic=0",
+    "bn=window",
+    "exist_ok=True",
+)
 
 
 @pytest.mark.numerics

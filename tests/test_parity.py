@@ -62,9 +62,22 @@ def ultralytics_iterations(setup: dict, num_images: int, iterations: int, recipe
     """What Ultralytics' trainer does at each iteration: read after the iteration, so after any optimizer step."""
     from ultralytics.models.yolo.detect import DetectionTrainer
 
-    args = {**COMMON, **recipe, "model": str(setup["model"]), "data": str(setup["data"][num_images]),
-            "project": str(setup["folder"]), "name": "ultralytics", "exist_ok": True, "device": "cpu", "val": False,
-            "save": False, "plots": False, "amp": False, "pretrained": False, "verbose": False}  # fmt: skip
+    args = {
+        **COMMON,
+        **recipe,
+        "model": str(setup["model"]),
+        "data": str(setup["data"][num_images]),
+        "project": str(setup["folder"]),
+        "name": "ultralytics",
+        "exist_ok": True,
+        "device": "cpu",
+        "val": False,
+        "save": False,
+        "plots": False,
+        "amp": False,
+        "pretrained": False,
+        "verbose": False,
+    }
     trainer = DetectionTrainer(overrides=args)
     records, steps, optimizer = [], [], {}
 
@@ -79,11 +92,14 @@ def ultralytics_iterations(setup: dict, num_images: int, iterations: int, recipe
     def on_train_batch_end(t):
         groups = dict(zip(optimizer["labels"], t.optimizer.param_groups))
         records.append(
-            {"accumulate": t.accumulate, "step": steps[-1:] == [len(records)],
-             "lr": {k: g["lr"] for k, g in groups.items()},
-             "weight_decay": {k: g["weight_decay"] for k, g in groups.items()},
-             "momentum": {k: g.get("momentum", g.get("betas", (None,))[0]) for k, g in groups.items()}}
-        )  # fmt: skip
+            {
+                "accumulate": t.accumulate,
+                "step": steps[-1:] == [len(records)],
+                "lr": {k: g["lr"] for k, g in groups.items()},
+                "weight_decay": {k: g["weight_decay"] for k, g in groups.items()},
+                "momentum": {k: g.get("momentum", g.get("betas", (None,))[0]) for k, g in groups.items()},
+            }
+        )
         if len(records) == iterations:
             raise _Enough
 

@@ -97,8 +97,15 @@ def test_precise_bn_is_auto_or_a_count_of_images():
 @pytest.mark.slow
 def test_two_ranks_give_the_statistics_of_one_process(tmp_path):
     out = tmp_path / "ranks.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests/ddp_precise_bn.py"), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "tests/ddp_precise_bn.py"),
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     two_ranks = torch.load(out)
@@ -124,8 +131,18 @@ def test_training_is_the_same_with_and_without_precise_statistics(tmp_path, run_
     dropped = {"model", "plots", "mosaic", "fliplr", "hsv_h", "scale", "translate", "val", "bn"}
     args = [*PLUMBING, *(a for a in EXACT if a.split("=")[0] not in dropped), "bn=batch"]
     for n in (0, 16):
-        r = run_cli("train", f"data={data}", f"project={tmp_path}", f"name=pbn{n}", *args, "batch=8", "nbs=16",
-                    f"precise_bn={n}", env=SERIAL, timeout=600)  # fmt: skip
+        r = run_cli(
+            "train",
+            f"data={data}",
+            f"project={tmp_path}",
+            f"name=pbn{n}",
+            *args,
+            "batch=8",
+            "nbs=16",
+            f"precise_bn={n}",
+            env=SERIAL,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert torch.equal(final_weights(tmp_path / "pbn0"), final_weights(tmp_path / "pbn16"))
 
@@ -133,8 +150,17 @@ def test_training_is_the_same_with_and_without_precise_statistics(tmp_path, run_
 def _draw_settings(data, tmp_path, **changes):
     from yoloaccum.config import settings as config
 
-    settings = {"data": str(data), "model": "yolo26n.yaml", "imgsz": 64, "batch": 4, "precise_bn": 10, "workers": 0,
-                "plots": False, "project": str(tmp_path), **changes}  # fmt: skip
+    settings = {
+        "data": str(data),
+        "model": "yolo26n.yaml",
+        "imgsz": 64,
+        "batch": 4,
+        "precise_bn": 10,
+        "workers": 0,
+        "plots": False,
+        "project": str(tmp_path),
+        **changes,
+    }
     return config.resolve(overrides=settings)
 
 

@@ -24,8 +24,17 @@ from yoloaccum.errors import UserError
 from yoloaccum.model import checkpoint
 from yoloaccum.training import faults, resume, state
 
-RUN = (*PLUMBING, "imgsz=64", "batch=4", "nbs=8", "epochs=4", "workers=0", "close_mosaic=1", "warmup_epochs=1",
-       "log_every=1")  # fmt: skip
+RUN = (
+    *PLUMBING,
+    "imgsz=64",
+    "batch=4",
+    "nbs=8",
+    "epochs=4",
+    "workers=0",
+    "close_mosaic=1",
+    "warmup_epochs=1",
+    "log_every=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +90,15 @@ def test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights(data, uninterrup
     window: one from outside lands wherever the scheduler lets it, and a micro-step of the tiny model is a few tens
     of milliseconds. Signals from outside: test_a_signal_after_the_epochs_last_window_stops_after_validation and
     test_a_second_sigint_stops_at_once_and_leaves_loadable_weights."""
-    r = run_cli("train", f"data={data}", *RUN, f"project={tmp_path}", "name=sig",
-                env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8"}, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data}",
+        *RUN,
+        f"project={tmp_path}",
+        "name=sig",
+        env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8"},
+        timeout=600,
+    )
     assert r.returncode == 130, r.stderr[-2000:]
     assert "resume with: yoloaccum train resume=" in r.stderr
     state = checkpoint.load(tmp_path / "sig/weights/last.pt")["yoloaccum"]
@@ -96,8 +112,15 @@ def test_sigint_mid_epoch_saves_and_resumes_to_the_same_weights(data, uninterrup
 
 
 def test_sigterm_exits_143_with_a_resumable_checkpoint(data, tmp_path, run_cli):
-    r = run_cli("train", f"data={data}", *RUN, f"project={tmp_path}", "name=term", env={"YOLOACCUM_FAULT": "sigterm@8"},
-                timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data}",
+        *RUN,
+        f"project={tmp_path}",
+        "name=term",
+        env={"YOLOACCUM_FAULT": "sigterm@8"},
+        timeout=600,
+    )
     assert r.returncode == 143, r.stderr[-2000:]
     state = checkpoint.load(tmp_path / "term/weights/last.pt")["yoloaccum"]
     assert state["interrupted"] and state["training"]["position"] == {
@@ -109,8 +132,17 @@ def test_sigterm_exits_143_with_a_resumable_checkpoint(data, tmp_path, run_cli):
 def test_a_signal_after_the_epochs_last_window_stops_after_validation(data, tmp_path):
     """From outside, as a user's Ctrl-C. plots=True: the epoch's end (validation, its pictures, last.pt) then lasts
     seconds, the margin for the signal to land before epoch 2's first window ends."""
-    cmd = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *RUN, "plots=True", f"project={tmp_path}",
-           "name=val"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "yoloaccum",
+        "train",
+        f"data={data}",
+        *RUN,
+        "plots=True",
+        f"project={tmp_path}",
+        "name=val",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("epoch 1/4 6/6"):  # printed after the last window's step: its stop vote is past
@@ -154,8 +186,9 @@ def test_best_pt_is_stripped_and_resume_points_to_last_pt(uninterrupted, cli_in_
     assert r.returncode == 2 and f"resume from {uninterrupted / 'weights/last.pt'}" in r.stderr, r.stderr
 
 
-def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_one_refused(uninterrupted, tmp_path,
-                                                                                           cli_in_process):  # fmt: skip
+def test_the_training_state_is_versioned_an_older_format_converted_and_a_newer_one_refused(
+    uninterrupted, tmp_path, cli_in_process
+):
     path = uninterrupted / "weights/last.pt"
     ckpt = checkpoint.load(path)
     assert ckpt["yoloaccum"]["format"] == state.FORMAT
@@ -264,8 +297,16 @@ def test_resume_true_picks_the_newest_run(uninterrupted, tmp_path, run_cli):
 
 
 def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
-    r = run_cli("train", f"data={data}", *RUN, "epochs=1", f"project={tmp_path}", "name=nan",
-                env={"YOLOACCUM_FAULT": "nan@2"}, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data}",
+        *RUN,
+        "epochs=1",
+        f"project={tmp_path}",
+        "name=nan",
+        env={"YOLOACCUM_FAULT": "nan@2"},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     # One epoch, so no warmup: windows of 2 micro-batches; the one holding ni=2 ends at ni=3.
     assert "iteration 3: non-finite loss, window skipped (1 so far)" in r.stdout  # a NaN input: the loss says it
@@ -278,8 +319,16 @@ def test_a_non_finite_window_is_skipped_and_counted(data, tmp_path, run_cli):
 
 
 def test_nan_patience_stops_the_run_with_the_last_good_state(data, tmp_path, run_cli):
-    r = run_cli("train", f"data={data}", *RUN, "nan_patience=2", f"project={tmp_path}", "name=diverged",
-                env={"YOLOACCUM_FAULT": "nan@7-"}, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data}",
+        *RUN,
+        "nan_patience=2",
+        f"project={tmp_path}",
+        "name=diverged",
+        env={"YOLOACCUM_FAULT": "nan@7-"},
+        timeout=600,
+    )
     assert r.returncode == 3  # not 2, a usage error: the recipe was valid, the run diverged
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: training diverged: 2 windows in a row"), r.stderr
@@ -327,8 +376,16 @@ def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path):
 def test_a_full_disk_stops_the_run_and_keeps_the_previous_last_pt(data, tmp_path, run_cli):
     """From iteration 8 (epoch 2) every write into the run folder fails halfway with ENOSPC. The first is epoch 2's
     rows of schedule.csv: one line, epoch 1's last.pt stays and resumes, and the logs keep every whole row."""
-    r = run_cli("train", f"data={data}", *RUN, "epochs=2", f"project={tmp_path}", "name=full",
-                env={"YOLOACCUM_FAULT": "enospc@8"}, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={data}",
+        *RUN,
+        "epochs=2",
+        f"project={tmp_path}",
+        "name=full",
+        env={"YOLOACCUM_FAULT": "enospc@8"},
+        timeout=600,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     run, lines = tmp_path / "full", r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"writing {run / 'schedule.csv'} failed: No space left on device" in lines[0]

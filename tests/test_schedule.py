@@ -161,7 +161,10 @@ def test_extending_a_run_rebuilds_the_lr_decay_and_keeps_warmup_and_the_optimize
     planned = build(epochs=2, batch=16, nbs=64, warmup_epochs=warmup_epochs)
     longer = schedule.extend(planned, 5)
     assert (longer.optimizer, longer.lr0, longer.warmup_iterations) == (
-        planned.optimizer, planned.lr0, planned.warmup_iterations)  # fmt: skip
+        planned.optimizer,
+        planned.lr0,
+        planned.warmup_iterations,
+    )
     nb = planned.batches_per_epoch
     for ni in range(2 * nb):  # the epochs done: the same windows, and the same accumulate
         assert (longer.steps_after(ni), longer.accumulate_at(ni)) == (
@@ -181,8 +184,10 @@ def test_plotted_training_batches_are_ultralytics_iterations():
     assert plots.train_batch_indices(s, close_mosaic=0) == {0, 1, 2}
 
 
-@pytest.mark.parametrize(("n", "parts", "cuts"), [(8, 2, [0, 4, 8]), (5, 2, [0, 2, 5]), (7, 3, [0, 2, 4, 7]),
-                                                  (2, 4, [0, 0, 1, 1, 2]), (0, 2, [0, 0, 0])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "parts", "cuts"),
+    [(8, 2, [0, 4, 8]), (5, 2, [0, 2, 5]), (7, 3, [0, 2, 4, 7]), (2, 4, [0, 0, 1, 1, 2]), (0, 2, [0, 0, 0])],
+)
 def test_even_cuts_differ_by_at_most_one_and_cover_every_item(n, parts, cuts):
     assert schedule.even_cuts(n, parts) == cuts
 

@@ -177,8 +177,13 @@ def test_yaml_loads_with_ultralytics(small_set: Path, tmp_path: Path) -> None:
 
 
 def test_ensure_from_yaml_resolves_path_beside_the_yaml(tmp_path: Path) -> None:
-    spec = {"path": "gen", "train": "images/train", "val": "images/val", "names": {0: "circle"},
-            shapes.YAML_KEY: {"num_train": 3, "num_val": 2}}  # fmt: skip
+    spec = {
+        "path": "gen",
+        "train": "images/train",
+        "val": "images/val",
+        "names": {0: "circle"},
+        shapes.YAML_KEY: {"num_train": 3, "num_val": 2},
+    }
     (tmp_path / "d.yaml").write_text(yaml.safe_dump(spec))
     assert shapes.ensure_from_yaml(tmp_path / "d.yaml") == tmp_path / "gen"
     assert len(list((tmp_path / "gen" / "images" / "val").glob("*.png"))) == 2

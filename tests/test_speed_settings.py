@@ -62,8 +62,11 @@ def test_a_channels_last_model_takes_nchw_images_with_identical_results(name):
     model.args = ultralytics_args(config.resolve(overrides=dict(imgsz=64)))
     criterion = WindowLoss(model, "window")
     images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)
-    batch = {"batch_idx": torch.tensor([0.0, 1, 2, 3]), "cls": torch.tensor([[0.0], [1], [2], [3]]),
-             "bboxes": torch.tensor([[0.5, 0.5, 0.3, 0.4]]).repeat(4, 1)}  # fmt: skip
+    batch = {
+        "batch_idx": torch.tensor([0.0, 1, 2, 3]),
+        "cls": torch.tensor([[0.0], [1], [2], [3]]),
+        "bboxes": torch.tensor([[0.5, 0.5, 0.3, 0.4]]).repeat(4, 1),
+    }
     results = []
     for layout in (torch.contiguous_format, torch.channels_last):
         model.zero_grad(set_to_none=True)

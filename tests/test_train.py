@@ -17,10 +17,16 @@ COCO8 = Path(__file__).resolve().parents[2] / "shared/datasets/coco8.yaml"
 OUTPUTS = ("args.yaml", "results.csv", "results.png", "schedule.csv", "weights/last.pt", "weights/best.pt")
 # What Ultralytics' run folder holds with plots=True: for the smoke run (11 iterations an epoch, mosaic closed for the
 # second), the batches at ni 0-2 and 11-13, and two validation batches (12 images, 8 a batch).
-PLOTS = ("labels.jpg", *(f"train_batch{ni}.jpg" for ni in (0, 1, 2, 11, 12, 13)),
-         *(f"val_batch{i}_{kind}.jpg" for i in (0, 1) for kind in ("labels", "pred")),
-         "confusion_matrix.png", "confusion_matrix_normalized.png",
-         *(f"Box{curve}_curve.png" for curve in ("PR", "F1", "P", "R")), "results.png", "schedule.png")  # fmt: skip
+PLOTS = (
+    "labels.jpg",
+    *(f"train_batch{ni}.jpg" for ni in (0, 1, 2, 11, 12, 13)),
+    *(f"val_batch{i}_{kind}.jpg" for i in (0, 1) for kind in ("labels", "pred")),
+    "confusion_matrix.png",
+    "confusion_matrix_normalized.png",
+    *(f"Box{curve}_curve.png" for curve in ("PR", "F1", "P", "R")),
+    "results.png",
+    "schedule.png",
+)
 SMOKE = ("imgsz=64", "batch=4", "nbs=16", "workers=2", "warmup_epochs=1", "close_mosaic=1", "exist_ok=True")
 
 
@@ -32,8 +38,16 @@ def smoke_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def smoke_train(smoke_data, tmp_path_factory, run_cli):
     project = tmp_path_factory.mktemp("runs")
-    r = run_cli("train", f"data={smoke_data}", "model=yolo26n.yaml", "epochs=2", f"project={project}", "name=smoke",
-                *SMOKE, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={smoke_data}",
+        "model=yolo26n.yaml",
+        "epochs=2",
+        f"project={project}",
+        "name=smoke",
+        *SMOKE,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return project / "smoke", r.stdout
 
@@ -132,8 +146,18 @@ def test_pretrained_false_trains_a_pt_model_from_scratch(smoke_run, smoke_data):
 def test_save_false_and_val_false(smoke_data, tmp_path, run_cli):
     """No weights and no claim of any; no table of zeros for the epochs not validated; results.csv's time is
     cumulative, as Ultralytics writes it."""
-    r = run_cli("train", f"data={smoke_data}", "epochs=2", f"project={tmp_path}", "name=nosave", "save=False",
-                "val=False", *SMOKE, *PLUMBING, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={smoke_data}",
+        "epochs=2",
+        f"project={tmp_path}",
+        "name=nosave",
+        "save=False",
+        "val=False",
+        *SMOKE,
+        *PLUMBING,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert not list((tmp_path / "nosave/weights").iterdir())
     assert "best.pt" not in r.stdout and r.stdout.strip().splitlines()[-1].startswith("no weights saved (save=False)")
@@ -205,8 +229,9 @@ def test_training_runs_channels_last_and_checkpoints_stay_contiguous(smoke_run):
 def test_best_pt_validates_and_exports_in_ultralytics(smoke_run, smoke_data, tmp_path):
     from ultralytics import YOLO
 
-    metrics = YOLO(smoke_run / "weights/best.pt").val(data=str(smoke_data), imgsz=64, batch=4, plots=False,
-                                                       project=str(tmp_path), verbose=False)  # fmt: skip
+    metrics = YOLO(smoke_run / "weights/best.pt").val(
+        data=str(smoke_data), imgsz=64, batch=4, plots=False, project=str(tmp_path), verbose=False
+    )
     assert 0 <= metrics.box.map50 <= 1
     exported = YOLO(smoke_run / "weights/best.pt").export(format="torchscript", imgsz=64)
     assert Path(exported).is_file()
@@ -231,8 +256,14 @@ def test_val_command_takes_a_cuda_device_string(smoke_run, smoke_data, run_cli):
 def test_predict_command_draws_and_writes_json(smoke_run, tmp_path, run_cli):
     from ultralytics.utils import ASSETS
 
-    r = run_cli("predict", f"model={smoke_run / 'weights/best.pt'}", f"source={ASSETS}", "conf=0.001",
-                f"project={tmp_path}", "name=pred")  # fmt: skip
+    r = run_cli(
+        "predict",
+        f"model={smoke_run / 'weights/best.pt'}",
+        f"source={ASSETS}",
+        "conf=0.001",
+        f"project={tmp_path}",
+        "name=pred",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "pred"
     assert (out / "bus.jpg").is_file() and (out / "zidane.jpg").is_file()
@@ -244,8 +275,16 @@ def test_predict_command_draws_and_writes_json(smoke_run, tmp_path, run_cli):
 @pytest.mark.slow
 @pytest.mark.skipif(not COCO8.is_file(), reason="COCO8 is not in ../shared/datasets")
 def test_train_on_coco8(tmp_path, run_cli):
-    r = run_cli("train", f"data={COCO8}", "model=yolo11n.yaml", "epochs=1", f"project={tmp_path}", "name=coco8",
-                *SMOKE, timeout=600)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={COCO8}",
+        "model=yolo11n.yaml",
+        "epochs=1",
+        f"project={tmp_path}",
+        "name=coco8",
+        *SMOKE,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for name in OUTPUTS:
         assert (tmp_path / "coco8" / name).is_file(), name

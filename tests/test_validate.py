@@ -17,9 +17,23 @@ def trained(tmp_path_factory, run_cli):
     """A model that has learned something, so that the compared metrics are not all zero."""
     dataset = shapes_yaml(tmp_path_factory.mktemp("data"), num_train=160, num_val=32, imgsz=96, seed=11)
     project = tmp_path_factory.mktemp("runs")
-    r = run_cli("train", f"data={dataset}", "model=yolo11n.yaml", "imgsz=96", "batch=8", "nbs=8", "epochs=6",
-                "mosaic=0", "warmup_epochs=1", "close_mosaic=0", "workers=0", "val=False", f"project={project}",
-                "name=val", timeout=900)  # fmt: skip
+    r = run_cli(
+        "train",
+        f"data={dataset}",
+        "model=yolo11n.yaml",
+        "imgsz=96",
+        "batch=8",
+        "nbs=8",
+        "epochs=6",
+        "mosaic=0",
+        "warmup_epochs=1",
+        "close_mosaic=0",
+        "workers=0",
+        "val=False",
+        f"project={project}",
+        "name=val",
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return project / "val/weights/best.pt", dataset
 
@@ -36,8 +50,17 @@ def test_metrics_agree_with_ultralytics_validator(trained, tmp_path):
     cfg = config.resolve([f"data={dataset}", "imgsz=96", "batch=8"])
     evaluator = validate.Evaluator(cfg, data.load_spec(dataset), tmp_path, 8, torch.device("cpu"))
     ours = evaluator.evaluate(model)
-    args = dict(model=str(weights), data=str(dataset), imgsz=96, batch=8, conf=0.001, iou=0.7, plots=False,
-                device="cpu", verbose=False)  # fmt: skip
+    args = dict(
+        model=str(weights),
+        data=str(dataset),
+        imgsz=96,
+        batch=8,
+        conf=0.001,
+        iou=0.7,
+        plots=False,
+        device="cpu",
+        verbose=False,
+    )
     theirs = DetectionValidator(args=args)()
     assert ours["metrics/mAP50(B)"] > 0.02, "the model learned too little for a meaningful comparison"
     for key in METRICS:
