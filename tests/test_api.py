@@ -84,11 +84,15 @@ def test_a_notebook_trains_shows_progress_and_survives_a_mistake(data, tmp_path)
     assert "alive 2" in text(after)  # the kernel is alive after the error
 
 
-def test_only_the_front_door_imports_the_trainer():
-    """The trainer sits under the API: no other module imports it, for typing or otherwise (issue 48)."""
+def test_only_the_train_command_imports_the_trainer():
+    """The trainer sits under the train command (and so under the API): no other module imports it, for typing or
+    otherwise (issue 48; tests/test_layout.py checks the folders' order as a whole)."""
     import re
 
     package = Path(yoloaccum.__file__).parent
-    pattern = re.compile(r"^\s*(from yoloaccum(\.trainer\b| import [^\n]*\btrainer\b)|import yoloaccum\.trainer)", re.M)
-    importers = sorted(p.name for p in package.glob("*.py") if pattern.search(p.read_text()))
-    assert importers == ["api.py"], importers
+    pattern = re.compile(
+        r"^\s*(from yoloaccum\.training(\.trainer\b| import [^\n]*\btrainer\b)|import yoloaccum\.training\.trainer)",
+        re.M,
+    )
+    importers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if pattern.search(p.read_text()))
+    assert importers == ["commands/train.py"], importers

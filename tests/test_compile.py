@@ -25,7 +25,7 @@ from conftest import (
 )
 
 from yoloaccum.config import settings as config
-from yoloaccum.core import schedule
+from yoloaccum.core import micro_batch, schedule
 from yoloaccum.data import batches
 from yoloaccum.errors import UserError
 from yoloaccum.model import compiler
@@ -87,7 +87,7 @@ def test_after_an_out_of_memory_back_off_the_halved_sizes_are_compiled():
     assert schedule.cut_sizes(3, 2) == {1, 2}
     assert schedule.cut_sizes(1, 4) == {1}  # no empty parts
     for n, parts in [(8, 1), (8, 2), (3, 2), (1, 4)]:  # the sizes split_batch() really cuts
-        cut = batches.split_batch({"img": torch.zeros(n, 1)}, parts)
+        cut = micro_batch.split_batch({"img": torch.zeros(n, 1)}, parts)
         assert {len(c["img"]) for c in cut} == schedule.cut_sizes(n, parts)
 
 

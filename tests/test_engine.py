@@ -197,3 +197,22 @@ def test_learning_rate_and_momentum_at_each_step_come_from_the_schedule():
     for record, ni in zip(seen, ends):
         assert record["bias"] == pytest.approx((s.lr_at(ni, s.lr0, bias=True), s.momentum_at(ni)))
         assert record["weight"] == pytest.approx((s.lr_at(ni, s.lr0, bias=False), s.momentum_at(ni)))
+
+
+def test_nan_patience_counts_on_across_a_saved_and_loaded_engine():
+    """state_dict() keeps the streak of skipped windows: two non-finite windows before a save and one after it make
+    the three in a row that nan_patience=3 stops at, as in an uninterrupted run (before last.pt format 5 a resume
+    started the count again)."""
+
+    def diverging_engine(num_images):
+        engine = make_engine(toy_model(), num_images=num_images, batch=2, nbs=2)
+        engine.loss, engine.nan_patience = MeanLoss(engine.raw_model, extra=float("inf")), 3
+        return engine
+
+    saved = diverging_engine(4)  # an epoch of 2 windows
+    assert saved.train_epoch(0, toy_batches(4, 2)).stopped is None  # windows 0 and 1: skipped, two in a row
+    assert saved.skipped == [0, 1] and saved.skipped_in_a_row == 2
+    resumed = diverging_engine(8)  # the run continued: 4 windows, from the third
+    resumed.load_state_dict(saved.state_dict())
+    result = resumed.train_epoch(0, toy_batches(8, 2)[2:], start=2)
+    assert result.stopped == "diverged" and result.done == 3 and resumed.skipped == [0, 1, 2]
