@@ -272,20 +272,16 @@ def settings_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def global_settings_kept() -> Iterator[None]:
-    """Put back, on the way out, the process-wide settings a run makes (runs.seed_everything: deterministic kernels,
-    the fill of new memory, cuDNN's mode) and the environment, for what runs a run's code in the test's process."""
-    import torch
+    """Put back, on the way out, the process-wide settings a run makes (global_settings.kept(): deterministic kernels,
+    cuDNN's modes, the random states, the environment...), for tests that run a run's code in this process other than
+    through the API, which keeps them itself: the trainer's parts, seed_everything, Ultralytics' own trainer. torch is
+    imported first: kept() keeps torch's settings only where torch is imported."""
+    import torch  # noqa: F401
 
-    flags = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    fill, cudnn = torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic
-    environ = dict(os.environ)
-    try:
+    from yoloaccum.process.global_settings import kept
+
+    with kept():
         yield
-    finally:
-        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-        torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic = fill, cudnn
-        os.environ.clear()
-        os.environ.update(environ)
 
 
 def shapes_yaml(folder: Path, num_train: int, num_val: int, imgsz: int = 64, seed: int = 3) -> Path:
@@ -316,9 +312,26 @@ SERIAL = {"OMP_NUM_THREADS": "1"}
 # ends in a short window. They start from briefly trained weights: a head fresh from initialisation predicts boxes
 # exactly on the pixel grid, where CIoU's min/max meet ties and float32 noise of 1e-7 picks the subgradient (a 1e-2
 # change in a few biases). Shared by the single-process and the torchrun comparisons.
-EXACT = ("model=yolo26n.yaml", "imgsz=64", "epochs=2", "warmup_epochs=0", "bn=frozen", "workers=0", "seed=0",
-         "deterministic=True", "mosaic=0", "fliplr=0", "hsv_h=0", "hsv_s=0", "hsv_v=0", "scale=0", "translate=0",
-         "val=False", "plots=False", "exist_ok=True")  # fmt: skip
+EXACT = (
+    "model=yolo26n.yaml",
+    "imgsz=64",
+    "epochs=2",
+    "warmup_epochs=0",
+    "bn=frozen",
+    "workers=0",
+    "seed=0",
+    "deterministic=True",
+    "mosaic=0",
+    "fliplr=0",
+    "hsv_h=0",
+    "hsv_s=0",
+    "hsv_v=0",
+    "scale=0",
+    "translate=0",
+    "val=False",
+    "plots=False",
+    "exist_ok=True",
+)
 
 
 def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> object:
@@ -345,8 +358,19 @@ def exact_args(tmp_path_factory) -> tuple[str, ...]:
         # precise_bn=0 here: the runs freeze BatchNorm at the start's statistics, and recomputed ones (from one pass
         # in which upstream layers normalise per batch) leave activations for which float32 reordering grows past
         # the tolerance within six steps. The compared runs keep the default, which touches only the EMA.
-        r = _run_cli("train", f"data={data}", f"project={folder}", "name=start", *EXACT, "epochs=1", "batch=16",
-                     "nbs=16", "precise_bn=0", env=SERIAL, timeout=600)  # fmt: skip
+        r = _run_cli(
+            "train",
+            f"data={data}",
+            f"project={folder}",
+            "name=start",
+            *EXACT,
+            "epochs=1",
+            "batch=16",
+            "nbs=16",
+            "precise_bn=0",
+            env=SERIAL,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         return [f"data={data}", *EXACT, f"pretrained={folder / 'start/weights/last.pt'}"]
 
@@ -358,8 +382,9 @@ def big_batch_run(exact_args, tmp_path_factory) -> Path:
     """The reference: one process, batch=16 nbs=16 (no accumulation)."""
 
     def make(project: Path) -> str:
-        r = _run_cli("train", f"project={project}", "name=big", *exact_args, "batch=16", "nbs=16", env=SERIAL,
-                     timeout=600)  # fmt: skip
+        r = _run_cli(
+            "train", f"project={project}", "name=big", *exact_args, "batch=16", "nbs=16", env=SERIAL, timeout=600
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         return str(project / "big")
 

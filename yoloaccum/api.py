@@ -7,7 +7,8 @@
 Values are Python values (batch=4, freeze=[0, 1], device=0, data=Path(...)); `cfg` names a recipe YAML, as cfg= does
 on the command line. A mistake raises UserError with the CLI's one-line message; nothing here exits the process or
 reads sys.argv (the CLI parses argv into these calls and owns the exit codes). The configuration is resolved before
-torch is imported, so a typo answers at once.
+torch is imported, so a typo answers at once. Each call leaves the process's global settings as it found them
+(process/global_settings.py), also when it raises.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from yoloaccum.commands.result import TrainResult
 from yoloaccum.config import settings as config
+from yoloaccum.process.global_settings import backend_kept, kept
 
 __all__ = ["TrainResult", "plan", "predict", "train", "val"]
 
@@ -26,9 +28,10 @@ def train(cfg: str | Path | None = None, **overrides: Any) -> TrainResult:
     """Train a detector with gradient accumulation, e.g. train(data="coco.yaml", batch=8, nbs=64)."""
     given = _given(cfg, overrides)
     resolved = config.resolve(overrides=given)  # a mistake answers here, before torch and Ultralytics load
-    from yoloaccum.commands import train as train_
+    from yoloaccum.commands import train as train_  # torch and Ultralytics: kept() leaves what importing them sets
 
-    return train_.run(resolved, given)
+    with kept():
+        return train_.run(resolved, given)
 
 
 def val(cfg: str | Path | None = None, **overrides: Any) -> dict[str, float]:
@@ -36,7 +39,8 @@ def val(cfg: str | Path | None = None, **overrides: Any) -> dict[str, float]:
     resolved = config.resolve(overrides=_given(cfg, overrides))
     from yoloaccum.commands import val as val_
 
-    return val_.run(resolved)
+    with kept():
+        return val_.run(resolved)
 
 
 def predict(cfg: str | Path | None = None, **overrides: Any) -> list[dict[str, Any]]:
@@ -45,7 +49,8 @@ def predict(cfg: str | Path | None = None, **overrides: Any) -> list[dict[str, A
     resolved = config.resolve(overrides=_given(cfg, overrides))
     from yoloaccum.commands import predict as predict_
 
-    return predict_.run(resolved)
+    with kept():
+        return predict_.run(resolved)
 
 
 def plan(
@@ -61,7 +66,10 @@ def plan(
     from yoloaccum.commands import plan as plan_
 
     resolved = config.resolve(overrides=_given(cfg, overrides))
-    return plan_.run(resolved, images, as_json, Path(plot) if plot else None)
+    # plot= switches matplotlib's backend, plan's one global setting. Not all of kept(): counting the images of data=
+    # imports Ultralytics here, and the environment its import sets (config/ultra.py) must stay.
+    with backend_kept():
+        return plan_.run(resolved, images, as_json, Path(plot) if plot else None)
 
 
 def _given(cfg: str | Path | None, overrides: Mapping[str, Any]) -> dict[str, Any]:

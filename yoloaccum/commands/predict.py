@@ -11,6 +11,7 @@ from typing import Any
 
 import cv2
 
+import yoloaccum.config.ultra  # noqa: F401  (Ultralytics offline and quiet before run() imports it)
 from yoloaccum.config.settings import Config
 from yoloaccum.data.datasets import IMG_SUFFIXES
 from yoloaccum.distributed.ddp import select_device
