@@ -382,9 +382,14 @@ def test_cli_bn_window_resumes_bitwise_with_remainder_carry_and_saves_a_plain_mo
 
 def test_a_last_pt_of_the_queue_era_bn_window_is_refused_with_one_line(tmp_path):
     """A format-2 last.pt of a bn=window run trained with the earlier queue: one line, naming what to do."""
+    from conftest import REPO
+
+    from yoloaccum.model import checkpoint
     from yoloaccum.training import state
 
-    ckpt = {"yoloaccum": {"format": 2, "position": {}, "ranks": [], "config": {"bn": "window"}}}
+    old = checkpoint.load(REPO / "tests/fixtures/format4-epoch2.pt")  # a run's whole entry, as format 2 had it
+    entry = {k: v for k, v in old["yoloaccum"].items() if k != "bn"}
+    ckpt = {**old, "yoloaccum": {**entry, "format": 2, "config": {**entry["config"], "bn": "window"}}}
     with pytest.raises(UserError, match="earlier queue.*pretrained="):
         state.read(ckpt, tmp_path / "last.pt")
     ckpt["yoloaccum"]["config"]["bn"] = "batch"

@@ -170,6 +170,7 @@ def load(path: str | Path, trust: bool = False) -> dict[str, Any]:
 def model_of(ckpt: dict[str, Any]) -> torch.nn.Module:
     """The fp32 model stored in a checkpoint: our exact weights when present, else Ultralytics' (half) EMA."""
     model = (ckpt.get("ema") or ckpt["model"]).float()
-    if state := ckpt.get("yoloaccum", {}).get("ema"):
-        model.load_state_dict(state)
+    ours = ckpt.get("yoloaccum", {})
+    if state := ours.get("ema"):  # last.pt; format 5 keeps the EMA's state_dict() beside its count of updates
+        model.load_state_dict(state["weights"] if ours.get("format", 1) >= 5 else state)
     return model
