@@ -50,8 +50,9 @@ clean:
 	rm -rf $(VENV) runs datasets/shapes .pytest_cache
 
 # Benchmarks write benchmarks/results*.{md,json}; `make test` runs only their reduced forms (tests/test_bench_smoke.py).
-bench-ddp: install
+bench-ddp: install  # no_sync's step time; validation and cache=ram with 1 and 2 ranks (docs/performance.md)
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp.py
+	$(BIN)/python benchmarks/ddp_validation.py
 bench: install  # its duration on 2 CPU cores: docs/performance.md
 	$(BIN)/python benchmarks/defaults.py
 	$(BIN)/python benchmarks/precise_bn.py cost

@@ -359,3 +359,17 @@ def test_a_rank_killed_under_max_restarts_is_restarted_and_the_job_ends_with_the
     assert "torchrun restarted this job (restart 1): resuming from" in r.stdout
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("elastic")) == ["elastic"]
     assert relative_difference(final_weights(tmp_path / "elastic"), final_weights(full)) == 0.0
+
+
+def test_every_rank_validates_rank_0s_ema_and_reads_one_ram_cache_per_machine(tmp_path):
+    """bn=batch: each rank's BatchNorm statistics are its own images', so the ranks' EMA buffers differ at the epoch's
+    end; at validation they are rank 0's on every rank (SameBuffers). cache=ram under torchrun: every rank reads the
+    images one rank decoded into /dev/shm (mapped, its name removed), the same images a rank decodes itself."""
+    import json
+
+    data = shapes_yaml(tmp_path, num_train=16, num_val=6)
+    out = tmp_path / "seen.json"
+    r = torchrun(2, REPO / "tests/ddp_epoch_end.py", data, TINY_MODEL, out, env=SERIAL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    expected = {"before": False, "at_validation": True, "cache": "ram", "identical": True, "mapped": True}
+    assert json.loads(out.read_text()) == {**expected, "every_rank": True}

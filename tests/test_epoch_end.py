@@ -40,9 +40,10 @@ def _trainer(tmp_path, **changes) -> Trainer:
 def test_rank_zero_runs_every_step_in_order_and_the_collectives_come_first(tmp_path):
     t = _trainer(tmp_path)
     names = [type(s).__name__ for s in t.epoch_end]
-    assert names == ["PreciseBN", "RankStates", "Validate", "ResultsRow", "EarlyStopping", "Save"]
+    every = ["PreciseBN", "SameBuffers", "Validate", "EarlyStopping", "RankStates"]  # collectives: every rank
+    assert names == [*every, "ResultsRow", "Save"]
     t.parts.run = None  # a rank without a run folder: the collective steps alone
-    assert t._steps() == [t.precise_bn, t.rank_states]
+    assert [type(s).__name__ for s in t._steps()] == every
 
 
 def test_save_false_adds_no_save_step(tmp_path):
@@ -162,7 +163,7 @@ def test_a_run_with_tensorboard_logs_every_step_and_epoch(tmp_path):
     results.csv hold, read back from the event file."""
     pytest.importorskip("tensorboard")
     t = _trainer(tmp_path, tensorboard=True, warmup_epochs=0)
-    assert isinstance(t.epoch_end[4], TensorBoard)
+    assert isinstance(t.epoch_end[6], TensorBoard)
     t.train()
     scalars = _scalars(t.parts.run.path)
     with (t.parts.run.path / "schedule.csv").open() as f:

@@ -36,11 +36,12 @@ def train(cfg: str | Path | None = None, **overrides: Any) -> TrainResult:
 
 def val(cfg: str | Path | None = None, **overrides: Any) -> dict[str, float]:
     """Validate weights on a dataset, e.g. val(model="runs/train/exp/weights/best.pt", data="coco.yaml")."""
-    resolved = config.resolve(overrides=_given(cfg, overrides))
+    given = _given(cfg, overrides)
+    resolved = config.resolve(overrides=given)
     from yoloaccum.commands import val as val_
 
     with kept():
-        return val_.run(resolved)
+        return val_.run(resolved, given)
 
 
 def predict(cfg: str | Path | None = None, **overrides: Any) -> list[dict[str, Any]]:

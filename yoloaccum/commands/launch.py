@@ -1,4 +1,5 @@
-"""`device=0,1,...` outside torchrun: torchrun started with the same settings, one rank per device, and waited for."""
+"""`device=0,1,...` outside torchrun: torchrun started with the same settings, one rank per device, and waited for
+(train and val)."""
 
 from __future__ import annotations
 
@@ -33,21 +34,22 @@ def relaunch_on_several_devices(cfg, given: dict[str, Any]) -> Path | None:
     return folder if folder is not None else Path(str(cfg.resume)).parent.parent
 
 
-def launch(given: dict[str, Any], device: str | None) -> int:
+def launch(given: dict[str, Any], device: str | None, command: str = "train", env: dict | None = None) -> int:
     """Start torchrun with the settings `given`, one rank per device of `device`, and wait for it; its exit code.
 
-    torchrun runs `python -m yoloaccum train ...` in each rank; its rendezvous and failure handling are PyTorch's.
+    torchrun runs `python -m yoloaccum COMMAND ...` in each rank; its rendezvous and failure handling are PyTorch's.
     """
     import subprocess
     import sys
 
     ids = cuda_ids(device)
     select_device(device)  # fail here, once, if the devices are not there
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    visible = visible_devices(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": visible}
     settings = {**given, "device": ",".join(map(str, range(len(ids))))}
     rest = [f"{k}={as_text(v)}" for k, v in settings.items()]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(ids)}"]
-    cmd = [*torchrun, "-m", "yoloaccum", "train", *rest]
+    cmd = [*torchrun, "-m", "yoloaccum", command, *rest]
     print(f"starting torchrun: {' '.join(cmd[1:])}", flush=True)
     return subprocess.run(cmd, env=env).returncode
 

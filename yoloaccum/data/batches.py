@@ -50,6 +50,33 @@ class EpochBatchSampler(Sampler[list[int]]):
             yield global_batch[cuts[self.rank] : cuts[self.rank + 1]]
 
 
+class ShardSampler(Sampler[int]):
+    """This rank's share of a fixed order of images (validation), as detectron2's InferenceSampler shares it: a
+    contiguous run of whole batches of `batch` images, the earlier ranks taking one more where they do not divide.
+    Nothing is padded or counted twice, a rank may hold none, and the batches a loader of `batch` cuts from a share
+    are those one process cuts from the whole, so a rectangular batch keeps its shape and each image its
+    predictions."""
+
+    def __init__(self, num_images: int, batch: int, rank: int = 0, world_size: int = 1):
+        assert batch > 0 and 0 <= rank < world_size
+        self.first, self.end = shard(num_images, batch, rank, world_size)
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.first, self.end))
+
+
+def shard(num_images: int, batch: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The image indices [first, end) of `rank`'s contiguous share of ceil(num_images / batch) batches."""
+    batches = math.ceil(num_images / batch)
+    each, extra = divmod(batches, world_size)
+    start = rank * each + min(rank, extra)
+    stop = start + each + (rank < extra)
+    return min(start * batch, num_images), min(stop * batch, num_images)
+
+
 def micro_batch_sizes(num_images: int, micro_batch: int, world_size: int) -> tuple[int, ...]:
     """Every size of micro-batch that EpochBatchSampler gives any rank in an epoch, largest first: the micro-batch,
     and each rank's share of a short last global batch."""

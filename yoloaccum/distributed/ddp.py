@@ -115,8 +115,8 @@ def setup(device: str | None, timeout_s: float = 1800) -> Context:
     """Join torchrun's process group when launched by it (nccl on CUDA, gloo on the CPU).
 
     timeout_s (ddp_timeout) bounds every collective: a rank that hangs ends the job after it (see bounded()), so it
-    must also cover the others' wait while rank 0 validates and saves. A rank that dies is noticed by torchrun at
-    once, which then ends the others.
+    must also cover the others' wait while rank 0 saves, and the slowest rank's share of a validation. A rank that
+    dies is noticed by torchrun at once, which then ends the others.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -207,6 +207,55 @@ def gather_to_main(obj: Any, ctx: Context) -> list[Any] | None:
     return gathered
 
 
+def min_over_ranks(value: int, ctx: Context) -> int:
+    """The smallest of every rank's `value` (a size they must agree on), on every rank."""
+    if ctx.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def from_main(obj: Any, ctx: Context) -> Any:
+    """Rank 0's obj on every rank (what it decided, or computed once). Pickled: for host-side values."""
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def broadcast_buffers(module: nn.Module, ctx: Context) -> None:
+    """Every rank's buffers (BatchNorm's running statistics) made rank 0's, in place: one broadcast per dtype of a
+    flat copy, not one per buffer."""
+    if ctx.world_size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in module.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        buffers = by_dtype[dtype]
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers]).to(ctx.device)
+        dist.broadcast(flat, src=0)
+        for b, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+            b.copy_(value.view_as(b))
+
+
+def every_rank_ok(error: str | None, ctx: Context) -> None:
+    """A step every rank takes that may fail on some (a path only some machines see): the first rank's error, if
+    any rank had one, raised as a UserError on every rank, so none waits in a collective for a rank that stopped."""
+    if ctx.world_size == 1:
+        if error:
+            raise UserError(error)
+        return
+    errors = [None] * ctx.world_size
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, first = failed[0]
+        raise UserError(f"{first} (on rank {rank})")
+
+
 def arrive(ctx: Context, ni: int) -> None:
     """Post, in torchrun's store, that this rank reached the collectives of iteration ni's window: a rank that then
     waits in vain can name the ones that did not come. One small message per window, to the store's host."""
@@ -230,7 +279,7 @@ def stalled(ctx: Context, ni: int, timeout_s: float) -> Stalled:
     keys = {r: f"yoloaccum/at/{r}" for r in range(ctx.world_size)}
     seen = {r: int(store.get(k)) if store.check([k]) else -1 for r, k in keys.items()}
     behind = [f"rank {r} (last at iteration {at})" for r, at in seen.items() if at < ni]
-    who = ", ".join(behind) or "a rank (rank 0 validating or saving?)"
+    who = ", ".join(behind) or "a rank (rank 0 saving, or a slow share of a validation?)"
     return Stalled(
         f"{who} did not reach iteration {ni} within ddp_timeout={timeout_s:g}s, so the job stops (rank {ctx.rank} "
         "waited there); last.pt holds the last completed save. Check that rank's machine, or raise ddp_timeout if it "

@@ -1,11 +1,15 @@
 """Validation with Ultralytics' own metric code (DetectionValidator's NMS, matching and mAP), driven by our loop.
 
 The loop is ours so that it can also return the val losses from the training criterion and run on the live EMA model;
-the numbers are Ultralytics', and a test checks they agree with its standalone validator on the same weights.
+the numbers are Ultralytics', and a test checks they agree with its standalone validator on the same weights. Under
+torchrun every rank evaluates its contiguous share of the images (data/batches.ShardSampler: whole batches, none
+padded or repeated); the per-image statistics are gathered to rank 0, which computes the metrics once, and every rank
+gets them, so each image is predicted once and the figures are one process's.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,61 +20,107 @@ from rich.table import Table
 from yoloaccum.config.settings import Config
 from yoloaccum.config.ultra import ultralytics_args
 from yoloaccum.core import backoff
-from yoloaccum.data import batches
+from yoloaccum.data import batches, shared_cache
 from yoloaccum.data.datasets import DatasetSpec
+from yoloaccum.distributed import ddp as distributed
+from yoloaccum.distributed.ddp import Context
 from yoloaccum.errors import UserError
 
 METRIC_KEYS = ("metrics/precision(B)", "metrics/recall(B)", "metrics/mAP50(B)", "metrics/mAP50-95(B)")
 
 
 class Evaluator:
-    """Validates a model on one split; `evaluate(model, criterion)` returns Ultralytics' metric dict (+ val losses)."""
+    """Validates a model on one split; `evaluate(model, criterion)` returns Ultralytics' metric dict (+ val losses).
+
+    Under torchrun (`ctx` of several ranks) every rank builds one and calls evaluate() together: a collective. Only
+    rank 0 (`save_dir` given) draws plots; the others' validator writes into a temporary folder it never fills."""
 
     def __init__(
         self,
         cfg: Config,
         spec: DatasetSpec,
-        save_dir: Path,
+        save_dir: Path | None,
         batch: int,
         device: torch.device,
         log: Callable[[str], None] = print,
+        ctx: Context | None = None,
     ):
         from ultralytics.models.yolo.detect import DetectionValidator
 
+        self.ctx = ctx or Context(0, 0, 1, device)
+        self.workers = batches.loader_workers(cfg.workers, device)
         args = ultralytics_args(
-            cfg,
-            mode="val",
-            batch=batch,
-            conf=cfg.conf or 0.001,
-            data=str(spec.yaml_file),
-            workers=batches.loader_workers(cfg.workers, device),
+            cfg, mode="val", batch=batch, conf=cfg.conf or 0.001, data=str(spec.yaml_file), workers=self.workers
         )
-        self.validator = v = DetectionValidator(save_dir=save_dir, args=args)
+        self._scratch = None if save_dir else tempfile.TemporaryDirectory(prefix="yoloaccum-val-")
+        self.draws = save_dir is not None
+        self.shared = shared_cache.wanted(cfg.cache, self.ctx)  # cache=ram: once per machine (data/shared_cache.py)
+        self.cached = None  # the images so cached, kept for the loaders a back-off builds
+        if self.shared:
+            args.cache = False
+        self.validator = v = DetectionValidator(save_dir=Path(save_dir or self._scratch.name), args=args)
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: no JSON; plots only when asked
         self.yaml_file, self.split, self.log = spec.yaml_file, cfg.split, log
-        self.set_batch(batch)
+        error = None
+        try:
+            self.set_batch(batch)
+        except UserError as e:  # a folder only some ranks see: every rank stops, none waits for the others
+            error = str(e)
+        distributed.every_rank_ok(error, self.ctx)
 
     def set_batch(self, batch: int) -> None:
-        """Validate in batches of `batch` images from now on (a new loader)."""
-        v, self.batch = self.validator, batch
+        """Validate in batches of `batch` images from now on: the same on every rank, which cut their shares by it."""
+        self.share_batch = batch
+        self._build_loader(batch)
+
+    def _build_loader(self, batch: int) -> None:
+        """A loader of `batch` images over this rank's share, cut by share_batch (a rank that ran out of memory
+        validates its share in smaller batches; the shares stay those of the others)."""
+        from ultralytics.data.build import InfiniteDataLoader, seed_worker
+
+        v = self.validator
         paths = v.data[self.split]
         try:
-            v.dataloader = v.get_dataloader(paths if len(paths) > 1 else paths[0], batch)
+            dataset = v.build_dataset(paths if len(paths) > 1 else paths[0], mode="val", batch=batch)
         except FileNotFoundError as e:
             raise UserError(f"{self.yaml_file}: no images found for {self.split} in {', '.join(paths)}") from e
+        if len(dataset) == 0:
+            raise UserError(f"{self.yaml_file}: the {self.split} split holds no images; give it some, or val=False")
+        if self.shared and self.cached is None:  # at construction, on every rank: a collective
+            shared_cache.cache_once_per_machine(dataset, self.ctx, self.split)
+            self.cached = dataset.ims, dataset.im_hw0, dataset.im_hw, dataset.cache
+        elif self.shared:
+            dataset.ims, dataset.im_hw0, dataset.im_hw, dataset.cache = self.cached
+        self.batch = batch
+        loader_batch = min(batch, len(dataset))  # as Ultralytics' loader: a set smaller than a batch is one batch
+        share_batch = min(self.share_batch, len(dataset))
+        sampler = batches.ShardSampler(len(dataset), share_batch, self.ctx.rank, self.ctx.world_size)
+        mine = -(-len(sampler) // loader_batch)
+        # Its own generator: starting the loader draws a seed from it, not from training's random states.
+        v.dataloader = InfiniteDataLoader(
+            dataset,
+            batch_size=loader_batch,
+            sampler=sampler,
+            num_workers=min(self.workers, mine) if mine > 1 else 0,
+            collate_fn=dataset.collate_fn,
+            worker_init_fn=seed_worker,
+            generator=torch.Generator(),
+            pin_memory=v.device.type == "cuda",
+        )
 
     def evaluate(self, model: torch.nn.Module, criterion=None, plots: bool = False) -> dict[str, float]:
         """Metrics of `model` (eval mode, fp32); val losses too when the training criterion is given.
 
         With plots, Ultralytics' validator also draws into save_dir what its final validation draws: the first three
-        batches with their labels and predictions, both confusion matrices, and the PR, F1, P and R curves.
-        On running out of device memory the whole validation runs again at half the batch (validation changes no
-        state, so it can), and later validations keep the smaller batch.
+        batches with their labels and predictions, both confusion matrices, and the PR, F1, P and R curves (rank 0).
+        On running out of device memory a rank runs its share again at half the batch (validation changes no state,
+        so it can), and later validations keep the smaller batch.
         """
         while True:
             try:
-                return self._evaluate(model, criterion, plots)
+                mine = self._evaluate_share(model, criterion, plots and self.draws)
+                break
             except RuntimeError as e:
                 if not backoff.is_out_of_memory(e) or self.batch == 1:
                     raise
@@ -78,40 +128,69 @@ class Evaluator:
             if self.validator.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.log(f"validation ran out of memory at {self.batch} images a batch; validating at {self.batch // 2}")
-            self.set_batch(self.batch // 2)
+            self._build_loader(self.batch // 2)
+        return self._combine(*mine, plots and self.draws)
 
     @torch.no_grad()
-    def _evaluate(self, model: torch.nn.Module, criterion, plots: bool) -> dict[str, float]:
+    def _evaluate_share(self, model: torch.nn.Module, criterion, plots: bool):
+        """This rank's share: its images' statistics (kept in the validator), and the val losses summed per batch."""
         v = self.validator
         was_training = model.training
         model.eval()
         model.end2end = v.args.nms is False  # as Ultralytics' validator: NMS on the one-to-many head unless nms=False
         v.args.plots = plots  # read by init_metrics, update_metrics (confusion matrix) and get_stats (curves)
         v.init_metrics(model)
-        losses = None
+        losses, count = None, 0
         try:
             for i, batch in enumerate(v.dataloader):
+                count += 1
                 batch = v.preprocess(batch)
                 preds = model(batch["img"])
                 if criterion is not None:
-                    items = torch.stack(list(criterion(preds, batch)[1].values()))
+                    # float64: the ranks' sums are added in another order than one process adds the batches
+                    items = torch.stack(list(criterion(preds, batch)[1].values())).double()
                     losses = items if losses is None else losses + items
                 detections = v.postprocess(preds)
                 v.update_metrics(detections, batch)
                 if plots and i < 3:
                     v.plot_val_samples(batch, i)
                     v.plot_predictions(batch, drawable(detections), i)
-            if plots:
-                v.finalize_metrics()  # draws the confusion matrices
-            stats = v.get_stats()
         finally:  # also when a batch ran out of memory: evaluate() runs again from a model in its own mode
-            v.args.plots = False
             model.train(was_training)
-        out = {k: float(stats[k]) for k in (*METRIC_KEYS, "fitness")}
-        if losses is not None:
-            names = getattr(criterion, "one2one", criterion).loss_names
-            out.update({f"val/{n}": x / len(v.dataloader) for n, x in zip(names, losses.tolist())})
-        return out
+        return losses, count, getattr(criterion, "one2one", criterion)
+
+    def _combine(self, losses, count: int, criterion, plots: bool) -> dict[str, float]:
+        """Every rank's statistics gathered to rank 0, which computes the metrics once; every rank returns them. A
+        collective every rank calls, also one whose share is empty."""
+        v, ctx = self.validator, self.ctx
+        try:
+            if ctx.world_size > 1:
+                gathered = distributed.gather_to_main(v.metrics.stats, ctx)
+                matrix = torch.as_tensor(v.confusion_matrix.matrix, device=ctx.device, dtype=torch.float64)
+                distributed.all_reduce_sum(matrix, ctx)  # only rank 0 draws it, with plots
+                if ctx.is_main:
+                    v.metrics.stats = {k: [x for stats in gathered for x in stats[k]] for k in v.metrics.stats}
+                    v.confusion_matrix.matrix = matrix.cpu().numpy()
+            out = None
+            if ctx.is_main:
+                if plots:
+                    v.finalize_metrics()  # draws the confusion matrices
+                stats = v.get_stats()
+                out = {k: float(stats[k]) for k in (*METRIC_KEYS, "fitness")}
+            else:
+                v.metrics.clear_stats()
+        finally:
+            v.args.plots = False
+        if criterion is not None:
+            names = criterion.loss_names
+            summed = torch.zeros(len(names) + 1, dtype=torch.float64, device=ctx.device)
+            summed[-1] = count
+            if losses is not None:
+                summed[:-1] += losses.to(ctx.device)
+            *totals, batches_run = distributed.all_reduce_sum(summed, ctx).tolist()  # every rank's batches
+            val_losses = {f"val/{n}": x / batches_run for n, x in zip(names, totals)}
+            out = None if out is None else {**out, **val_losses}
+        return distributed.from_main(out, ctx)
 
     def class_table(self) -> Table:
         """Per-class precision, recall and mAP of the last evaluation."""

@@ -18,7 +18,7 @@ from yoloaccum.core import loss, precision
 from yoloaccum.core import schedule as schedule_
 from yoloaccum.core.ema import EMA
 from yoloaccum.core.engine import Engine
-from yoloaccum.data import batches
+from yoloaccum.data import batches, shared_cache
 from yoloaccum.data import datasets as data
 from yoloaccum.distributed import ddp as distributed
 from yoloaccum.evaluation.validate import Evaluator
@@ -42,7 +42,10 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
     with distributed.main_first(ctx):  # rank 0 generates shapes and writes the label cache; then the others
         spec = data.load_spec(cfg.data, cfg.split)
         data.check_classes(cfg.classes, spec)
-        train_set = data.build_dataset(cfg, spec, "train")
+        shared = shared_cache.wanted(cfg.cache, ctx)  # cache=ram once per machine, below, not once per rank
+        train_set = data.build_dataset(cfg.replace(cache=False) if shared else cfg, spec, "train")
+    if shared:
+        shared_cache.cache_once_per_machine(train_set, ctx, "train")
     if not str(cfg.model).endswith(".pt"):
         model_.resolve_yaml(cfg.model)  # a wrong name fails here, before a run folder is made
     raw_model = model_.build(cfg, spec, verbose=False, announce=ctx.is_main).to(ctx.device)
@@ -109,8 +112,8 @@ def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
         log=log,
         window_statistics=window_statistics,
     )
-    # rank 0 validates alone, on one device, in batches of twice the micro-batch
-    evaluator = Evaluator(cfg, spec, run.path, schedule.micro_batch * 2, ctx.device, run.console.print) if run else None
+    # every rank validates its share of the images, in batches of twice the micro-batch; rank 0 draws the plots
+    evaluator = Evaluator(cfg, spec, run.path if run else None, schedule.micro_batch * 2, ctx.device, log, ctx=ctx)
     return Parts(
         cfg,
         ctx,

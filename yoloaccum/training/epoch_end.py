@@ -1,13 +1,13 @@
 """What happens after an epoch's last window, as small steps run in order (detectron2's hooks): precise BatchNorm
-statistics, every rank's state gathered for the checkpoint, validation, the results row, TensorBoard, early stopping
-and saving. Each step is built with the parts it reads and called as `step(end, decided) -> decided`: `end` is what
-the epoch left, `decided` what the steps before it decided, and it returns that with its own decisions added
-(validated, best, stop, the results row), on which the trainer acts. What the run has decided so far lives in its
-TrainingState, which the deciding steps update.
+statistics, the EMA's buffers made rank 0's, validation, early stopping, every rank's state gathered for the checkpoint,
+the results row, TensorBoard and saving. Each step is built with the parts it reads and called as `step(end, decided) ->
+decided`: `end` is what the epoch left, `decided` what the steps before it decided, and it returns that with its own
+decisions added (validated, best, stop, the results row), on which the trainer acts. What the run has decided so far
+lives in its TrainingState, which the deciding steps update.
 
-The steps every rank takes (they hold collectives) come first; the others belong to rank 0, which owns the run
-folder. `steps()` builds each rank's list once, so no step asks which rank it runs on; a step can be added to a
-trainer's list from outside (Trainer.add_step), as the benchmarks add theirs.
+The steps every rank takes (they hold collectives: validation is shared by the ranks) come first; the others belong to
+rank 0, which owns the run folder. `steps()` builds each rank's list once, so no step asks which rank it runs on; a step
+can be added to a trainer's list from outside (Trainer.add_step), as the benchmarks add theirs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from yoloaccum.batchnorm import precise as precise_bn
 from yoloaccum.data import datasets as data
+from yoloaccum.distributed import ddp
+from yoloaccum.distributed.ddp import Context
 from yoloaccum.evaluation.validate import show_metrics
 from yoloaccum.model import checkpoint
 from yoloaccum.training.progress import EXTRA_COLUMNS
@@ -32,7 +34,6 @@ if TYPE_CHECKING:
     from yoloaccum.config.settings import Config
     from yoloaccum.core.engine import Engine
     from yoloaccum.core.window import StepRecord
-    from yoloaccum.distributed.ddp import Context
     from yoloaccum.evaluation.validate import Evaluator
     from yoloaccum.training.progress import Results
     from yoloaccum.training.training_state import TrainingState
@@ -96,27 +97,40 @@ class PreciseBN:
         self.batch = precise_bn.recompute_images(self.ema.ema, self.images, self.ctx, self.batch, self.frozen)
 
 
+class SameBuffers:
+    """The EMA's buffers (BatchNorm's running statistics) made rank 0's on every rank before validation: the ranks
+    validate one model, the one last.pt and best.pt save (rank 0's, as when rank 0 validated alone). Each rank
+    trains with its own BatchNorm statistics (DDP does not broadcast buffers at each forward here, to keep one
+    collective per window), so the EMAs' statistics drift apart; their parameters are the same on every rank. After a
+    precise_bn recompute, which sums every rank's statistics, they are the same already."""
+
+    def __init__(self, ema: Any, ctx: Context):
+        self.ema, self.ctx = ema, ctx
+
+    def __call__(self, end: EpochEnd, decided: Decided) -> Decided:
+        ddp.broadcast_buffers(self.ema.ema, self.ctx)
+        return decided
+
+
 class RankStates:
     """Every rank's own state (`of()`: random states, mosaic buffer, the engine's part) gathered to rank 0 for the next
     save. A collective: every rank calls it, at the point of the epoch (or stop) where its random states are those the
     next epoch starts from. Without saving (save=False, the same on every rank) no rank gathers."""
 
     def __init__(self, of: Callable[[], dict[str, Any]], ctx: Context, enabled: bool):
-        from yoloaccum.distributed import ddp
-
-        self.of, self.ctx, self.enabled, self.gather_to_main = of, ctx, enabled, ddp.gather_to_main
+        self.of, self.ctx, self.enabled = of, ctx, enabled
         self.gathered: list[dict[str, Any]] | None = None  # on rank 0, after gather()
 
     def gather(self) -> None:
         if self.enabled:
-            self.gathered = self.gather_to_main(self.of(), self.ctx)
+            self.gathered = ddp.gather_to_main(self.of(), self.ctx)
 
     def __call__(self, end: EpochEnd, decided: Decided) -> Decided:
         self.gather()
         return decided
 
     def for_save(self) -> list[dict[str, Any]]:
-        """Every rank's state for the checkpoint, rank 0's as of now (after validation, whose draws it keeps)."""
+        """Every rank's state for the checkpoint, rank 0's as of now (after the steps, whatever they drew)."""
         return [self.of(), *self.gathered[1:]]
 
 

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class Parts:
-    """Everything a run is made of. `run` and `evaluator` exist on rank 0 alone, which owns the run folder and
-    validates; every other part exists on every rank."""
+    """Everything a run is made of. `run` exists on rank 0 alone, which owns the run folder; every other part exists
+    on every rank (the evaluator too: each rank validates its share of the images)."""
 
     cfg: Config
     ctx: Context
@@ -40,4 +40,4 @@ class Parts:
     schedule: Schedule
     loader: torch.utils.data.DataLoader
     engine: Engine
-    evaluator: Evaluator | None
+    evaluator: Evaluator

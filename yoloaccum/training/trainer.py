@@ -1,9 +1,10 @@
-"""The trainer: runs a run's parts (components.py) epoch by epoch: train, then the end-of-epoch steps
-(epoch_end.py: precise BatchNorm statistics, validation, logs, early stopping, saving).
+"""The trainer: runs a run's parts (components.py) epoch by epoch: train, then the end-of-epoch steps (epoch_end.py:
+precise BatchNorm statistics, validation, logs, early stopping, saving).
 
 The accumulation loop itself is engine.Engine; *when* to step comes from schedule, the loss normaliser from
-loss.WindowLoss, last.pt's layout from state. Rank 0 alone validates, logs and writes; every rank trains. A run can
-stop at any window boundary (a signal, or a diverging loss) and resume from last.pt to the same weights.
+loss.WindowLoss, last.pt's layout from state. Every rank trains and validates its share of the images; rank 0 alone logs
+and writes. A run can stop at any window boundary (a signal, or a diverging loss) and resume from last.pt to the same
+weights.
 """
 
 from __future__ import annotations
@@ -74,17 +75,21 @@ class Trainer:
     def _steps(self) -> list[epoch_end.Step]:
         """This rank's end-of-epoch steps, in order: the collective ones on every rank, then rank 0's."""
         p = self.parts
-        every: list[epoch_end.Step] = [self.precise_bn, self.rank_states]
+        every: list[epoch_end.Step] = [
+            self.precise_bn,
+            epoch_end.SameBuffers(p.ema, p.ctx),
+            epoch_end.Validate(p.evaluator, p.ema, p.loss.criterion, self.state, p.cfg.val, self.follow_back_offs),
+            epoch_end.EarlyStopping(self.state),
+            self.rank_states,
+        ]
         if p.run is None:
             return every
         board = TensorBoard.for_run(p.run) if p.cfg.tensorboard else None  # None also without the package
         console = p.run.console if p.cfg.verbose else None
         steps = [
             *every,
-            epoch_end.Validate(p.evaluator, p.ema, p.loss.criterion, self.state, p.cfg.val, self.follow_back_offs),
             epoch_end.ResultsRow(p.run.results, p.engine, self.state, self.loss_names, console),
             *([board] if board else []),
-            epoch_end.EarlyStopping(self.state),
         ]
         if p.cfg.save:
             steps.append(epoch_end.Save(p.run.weights, p.cfg.save_period, self.checkpoint))
@@ -335,22 +340,23 @@ class Trainer:
         raise Interrupted(stop_signal.signum, f"stopped{hint}")
 
     def final_eval(self) -> dict[str, float]:
-        """As Ultralytics: the final figures are best.pt's, validated on rank 0 after training; with plots=True this
-        validation also draws its batches, confusion matrices and curves."""
-        if self.parts.run is None:
-            return self.state.metrics
-        best = self.parts.run.weights / "best.pt"
-        if self.parts.cfg.save and best.exists():
-            model, title = checkpoint.model_of(checkpoint.load(best)), f"final figures: {best} validated"
-        else:
-            model, title = copy.deepcopy(self.parts.ema.ema), "final figures: the last epoch's EMA (save=False)"
+        """As Ultralytics: the final figures are best.pt's, validated after training, each rank its share of the
+        images; with plots=True rank 0 also draws its batches, confusion matrices and curves. best.pt is on rank 0's
+        machine: its weights reach the other ranks from there."""
+        p = self.parts
+        best = p.run.weights / "best.pt" if p.run else None
+        from_best = distributed.from_main(bool(p.cfg.save and best and best.exists()), p.ctx)
+        model, title = copy.deepcopy(p.ema.ema), "final figures: the last epoch's EMA (save=False)"
+        if from_best:
+            weights = checkpoint.model_of(checkpoint.load(best)).state_dict() if p.ctx.is_main else None
+            model.load_state_dict(distributed.from_main(weights, p.ctx))
+            title = f"final figures: {best} validated"
         self.follow_back_offs()
         if self.drawing is not None:
             self.drawing.join()  # labels.jpg is done before the validation draws its curves
-        metrics = self.parts.evaluator.evaluate(
-            model.fuse(verbose=False).to(self.parts.ctx.device), plots=self.parts.cfg.plots
-        )
-        show_metrics(self.parts.run.console, metrics, title)
+        metrics = p.evaluator.evaluate(model.fuse(verbose=False).to(p.ctx.device), plots=p.cfg.plots)
+        if p.run is not None:
+            show_metrics(p.run.console, metrics, title)
         return metrics
 
     @property
@@ -383,13 +389,14 @@ class Trainer:
         return ("patience", "final")[end.final] if self._agree(ended is not None) else None
 
     def follow_back_offs(self) -> None:
-        """Validation batches of twice the micro-batch, as at the start, also after an out-of-memory back-off."""
-        val_batch = max(1, 2 * self.parts.engine.micro_batch)
-        if val_batch < self.parts.evaluator.batch:
+        """Validation batches of twice the micro-batch, as at the start, also after an out-of-memory back-off: the
+        smallest over the ranks, which cut their shares of the images by it. A collective, as validation is."""
+        val_batch = distributed.min_over_ranks(max(1, 2 * self.parts.engine.micro_batch), self.parts.ctx)
+        if val_batch < self.parts.evaluator.share_batch:
             self.parts.evaluator.set_batch(val_batch)
 
     def _agree(self, stop: bool) -> bool:
-        """Every rank stops together: rank 0 decided; the others wait here while it validated and saved."""
+        """Every rank stops together: rank 0 decided; the others wait here while it logs and saves."""
         flag = torch.tensor([float(stop)], device=self.parts.ctx.device)
         return bool(distributed.all_reduce_sum(flag, self.parts.ctx).item())
 
