@@ -103,4 +103,4 @@ class Keys:
 '''
 
 if __name__ == "__main__":
-    (_PACKAGE / "keys.py").write_text(typed_view())
+    (Path(__file__).resolve().parent / "keys.py").write_text(typed_view())
