@@ -45,7 +45,7 @@ def main(weights: str, dataset: str, batch: int, out: str) -> None:
         print(f"rank {ctx.rank}: {e}", file=sys.stderr)
         sys.exit(2)
     loader = evaluator.validator.dataloader
-    files = [loader.dataset.im_files[i] for i in loader.batch_sampler.sampler.sampler]
+    files = [loader.dataset.im_files[i] for i in loader.batch_sampler.sampler.indices]  # the ShardBatches
     Path(f"{out}.{ctx.rank}.json").write_text(json.dumps({"metrics": metrics, "files": files}))
     distributed.cleanup()
 

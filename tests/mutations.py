@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (the mutations quote lines of the package as they are)
 """Mutations of the exactness and equivalence code, each with the test that must catch it: applied one at a time to
 the package, the test run, the code put back. `python tests/mutations.py` runs them all (about 40 min on 2 cores), or
-give the numbers of some; docs/testing.md lists them with their last result. Not collected by pytest (no test_ prefix).
+give the numbers of some; benchmarks/records/mutations.md keeps their runs' results. Not collected by pytest (no test_ prefix).
 """
 
 import subprocess

@@ -170,5 +170,9 @@ def test_each_rank_shares_a_contiguous_run_of_whole_batches_and_each_image_is_on
     assert all(first % batch == 0 for first, _ in shares if first < num_images)  # whole batches: one process's cuts
     counts = [-(-(end - first) // batch) for first, end in shares]
     assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)  # the earlier ranks one more
-    sampler = batches.ShardSampler(num_images, batch, world - 1, world)
-    assert list(sampler) == list(range(*shares[-1])) and len(sampler) == shares[-1][1] - shares[-1][0]
+    last = batches.ShardBatches(num_images, batch, world - 1, world)
+    assert [i for b in last for i in b] == list(range(*shares[-1])) and len(last) == counts[-1]
+    assert all(len(b) == batch for b in list(last)[:-1])  # one process's batches
+    halved = batches.ShardBatches(num_images, batch, 0, world, part=max(1, batch // 2))  # after a back-off
+    assert [i for b in halved for i in b] == list(range(*shares[0]))
+    assert all(b[0] // batch == b[-1] // batch for b in halved)  # no part spans two of one process's batches

@@ -69,7 +69,7 @@ class Engine:
     # None when the window was reopened from last.pt (remainder=carry), whose first batches are not at hand.
     window_batches: list[dict[str, Any]] | None = field(default_factory=list)
     after_back_off: Callable[[], None] | None = None  # called once a back-off has halved the micro-batch
-    window_statistics: Callable[[list[dict[str, Any]]], None] | None = None  # bn=window's pass (norm.py), if any
+    window_statistics: Callable[[list[dict[str, Any]]], None] | None = None  # bn=window's pass (batchnorm/window.py)
     window_ahead: list[dict[str, Any]] = field(default_factory=list)  # the batches the last statistics pass saw
     save_due: bool = False  # a rank asked, in the window just stepped, for last.pt at this boundary
     replays: list[int] = field(default_factory=list)  # iterations whose window ran again after an AMP overflow

@@ -50,22 +50,34 @@ class EpochBatchSampler(Sampler[list[int]]):
             yield global_batch[cuts[self.rank] : cuts[self.rank + 1]]
 
 
-class ShardSampler(Sampler[int]):
-    """This rank's share of a fixed order of images (validation), as detectron2's InferenceSampler shares it: a
-    contiguous run of whole batches of `batch` images, the earlier ranks taking one more where they do not divide.
-    Nothing is padded or counted twice, a rank may hold none, and the batches a loader of `batch` cuts from a share
-    are those one process cuts from the whole, so a rectangular batch keeps its shape and each image its
-    predictions."""
+class ShardBatches(Sampler[list[int]]):
+    """This rank's share of a fixed order of images (validation), as detectron2's InferenceSampler shares it, in
+    batches: a contiguous run of whole batches of `batch` images, the earlier ranks taking one more where they do not
+    divide. Nothing is padded or counted twice, a rank may hold none, and its batches are those one process cuts from
+    the whole, so a rectangular batch keeps its shape and each image its predictions. A rank that ran out of memory
+    cuts each batch into parts of at most `part` images: the shares, and the images a batch's shape was set by,
+    stay the same."""
 
-    def __init__(self, num_images: int, batch: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, num_images: int, batch: int, rank: int = 0, world_size: int = 1, part: int | None = None):
         assert batch > 0 and 0 <= rank < world_size
         self.first, self.end = shard(num_images, batch, rank, world_size)
+        self.batch, self.part = batch, min(part or batch, batch)
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, self.end)
 
     def __len__(self) -> int:
-        return self.end - self.first
+        return sum(-(-len(group) // self.part) for group in self._groups())
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.first, self.end))
+    def __iter__(self) -> Iterator[list[int]]:
+        for group in self._groups():
+            for start in range(0, len(group), self.part):
+                yield list(group[start : start + self.part])
+
+    def _groups(self) -> Iterator[range]:
+        for start in range(self.first, self.end, self.batch):
+            yield range(start, min(start + self.batch, self.end))
 
 
 def shard(num_images: int, batch: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -106,7 +118,7 @@ def build_loader(
     dataset: Dataset, cfg: Config, micro_batch: int, rank: int, world: int, device: torch.device
 ) -> DataLoader:
     """The training DataLoader over one rank's share; workers are seeded from the run seed for reproducible
-    augmentation. (Validation uses Ultralytics' own loader, in validate.py.)"""
+    augmentation. (Validation's loader is evaluation/validate.py's, over ShardBatches.)"""
     from ultralytics.data.build import seed_worker
 
     sampler = EpochBatchSampler(len(dataset), micro_batch * world, rank, world, seed=cfg.seed)

@@ -2,7 +2,7 @@
 
 The loop is ours so that it can also return the val losses from the training criterion and run on the live EMA model;
 the numbers are Ultralytics', and a test checks they agree with its standalone validator on the same weights. Under
-torchrun every rank evaluates its contiguous share of the images (data/batches.ShardSampler: whole batches, none
+torchrun every rank evaluates its contiguous share of the images (data/batches.ShardBatches: whole batches, none
 padded or repeated); the per-image statistics are gathered to rank 0, which computes the metrics once, and every rank
 gets them, so each image is predicted once and the figures are one process's.
 """
@@ -62,64 +62,68 @@ class Evaluator:
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: no JSON; plots only when asked
         self.yaml_file, self.split, self.log = spec.yaml_file, cfg.split, log
-        error = None
-        try:
-            self.set_batch(batch)
-        except UserError as e:  # a folder only some ranks see: every rank stops, none waits for the others
-            error = str(e)
-        distributed.every_rank_ok(error, self.ctx)
+        self.set_batch(batch)
 
     def set_batch(self, batch: int) -> None:
-        """Validate in batches of `batch` images from now on: the same on every rank, which cut their shares by it."""
-        self.share_batch = batch
+        """Validate in batches of `batch` images from now on: every rank calls it together (a collective), and cuts
+        its share of the images by it. The first rank builds the dataset first (it may write Ultralytics' label
+        cache); a folder that only some ranks see stops every rank with one line, none waiting for the others."""
+        error, self.share_batch = None, batch
+        with distributed.main_first(self.ctx):
+            try:
+                self.dataset = self._dataset(batch)
+            except UserError as e:
+                error = str(e)
+        distributed.every_rank_ok(error, self.ctx)
+        if self.shared and self.cached is None:
+            shared_cache.cache_once_per_machine(self.dataset, self.ctx, self.split)
+            self.cached = self.dataset.ims, self.dataset.im_hw0, self.dataset.im_hw, self.dataset.cache
+        elif self.shared:  # a later batch: the images cached at the first
+            self.dataset.ims, self.dataset.im_hw0, self.dataset.im_hw, self.dataset.cache = self.cached
         self._build_loader(batch)
 
-    def _build_loader(self, batch: int) -> None:
-        """A loader of `batch` images over this rank's share, cut by share_batch (a rank that ran out of memory
-        validates its share in smaller batches; the shares stay those of the others)."""
-        from ultralytics.data.build import InfiniteDataLoader, seed_worker
-
-        v = self.validator
-        paths = v.data[self.split]
+    def _dataset(self, batch: int):
+        """Ultralytics' validation dataset, its rectangular batches grouped by `batch`."""
+        v, paths = self.validator, self.validator.data[self.split]
         try:
             dataset = v.build_dataset(paths if len(paths) > 1 else paths[0], mode="val", batch=batch)
         except FileNotFoundError as e:
             raise UserError(f"{self.yaml_file}: no images found for {self.split} in {', '.join(paths)}") from e
         if len(dataset) == 0:
             raise UserError(f"{self.yaml_file}: the {self.split} split holds no images; give it some, or val=False")
-        if self.shared and self.cached is None:  # at construction, on every rank: a collective
-            shared_cache.cache_once_per_machine(dataset, self.ctx, self.split)
-            self.cached = dataset.ims, dataset.im_hw0, dataset.im_hw, dataset.cache
-        elif self.shared:
-            dataset.ims, dataset.im_hw0, dataset.im_hw, dataset.cache = self.cached
-        self.batch = batch
-        loader_batch = min(batch, len(dataset))  # as Ultralytics' loader: a set smaller than a batch is one batch
-        share_batch = min(self.share_batch, len(dataset))
-        sampler = batches.ShardSampler(len(dataset), share_batch, self.ctx.rank, self.ctx.world_size)
-        mine = -(-len(sampler) // loader_batch)
+        return dataset
+
+    def _build_loader(self, batch: int) -> None:
+        """A loader over this rank's share of the dataset: each of its batches of share_batch images (the shapes of
+        one process's) cut into batches of at most `batch`, smaller where this rank ran out of memory."""
+        from ultralytics.data.build import InfiniteDataLoader, seed_worker
+
+        dataset, self.batch, self.num_images = self.dataset, batch, len(self.dataset)
+        share_batch = min(self.share_batch, len(dataset))  # as Ultralytics' loader: a smaller set is one batch
+        shares = batches.ShardBatches(len(dataset), share_batch, self.ctx.rank, self.ctx.world_size, batch)
         # Its own generator: starting the loader draws a seed from it, not from training's random states.
-        v.dataloader = InfiniteDataLoader(
+        self.validator.dataloader = InfiniteDataLoader(
             dataset,
-            batch_size=loader_batch,
-            sampler=sampler,
-            num_workers=min(self.workers, mine) if mine > 1 else 0,
+            batch_sampler=shares,
+            num_workers=min(self.workers, len(shares)) if len(shares) > 1 else 0,
             collate_fn=dataset.collate_fn,
             worker_init_fn=seed_worker,
             generator=torch.Generator(),
-            pin_memory=v.device.type == "cuda",
+            pin_memory=self.validator.device.type == "cuda",
         )
 
     def evaluate(self, model: torch.nn.Module, criterion=None, plots: bool = False) -> dict[str, float]:
         """Metrics of `model` (eval mode, fp32); val losses too when the training criterion is given.
 
         With plots, Ultralytics' validator also draws into save_dir what its final validation draws: the first three
-        batches with their labels and predictions, both confusion matrices, and the PR, F1, P and R curves (rank 0).
+        batches with their labels and predictions, both confusion matrices (of every rank's images), and the PR, F1, P
+        and R curves (rank 0 draws).
         On running out of device memory a rank runs its share again at half the batch (validation changes no state,
         so it can), and later validations keep the smaller batch.
         """
         while True:
             try:
-                mine = self._evaluate_share(model, criterion, plots and self.draws)
+                mine = self._evaluate_share(model, criterion, plots)
                 break
             except RuntimeError as e:
                 if not backoff.is_out_of_memory(e) or self.batch == 1:
@@ -129,7 +133,7 @@ class Evaluator:
                 torch.cuda.empty_cache()
             self.log(f"validation ran out of memory at {self.batch} images a batch; validating at {self.batch // 2}")
             self._build_loader(self.batch // 2)
-        return self._combine(*mine, plots and self.draws)
+        return self._combine(*mine, plots)
 
     @torch.no_grad()
     def _evaluate_share(self, model: torch.nn.Module, criterion, plots: bool):
@@ -152,7 +156,7 @@ class Evaluator:
                     losses = items if losses is None else losses + items
                 detections = v.postprocess(preds)
                 v.update_metrics(detections, batch)
-                if plots and i < 3:
+                if plots and self.draws and i < 3:
                     v.plot_val_samples(batch, i)
                     v.plot_predictions(batch, drawable(detections), i)
         finally:  # also when a batch ran out of memory: evaluate() runs again from a model in its own mode
@@ -173,7 +177,7 @@ class Evaluator:
                     v.confusion_matrix.matrix = matrix.cpu().numpy()
             out = None
             if ctx.is_main:
-                if plots:
+                if plots and self.draws:
                     v.finalize_metrics()  # draws the confusion matrices
                 stats = v.get_stats()
                 out = {k: float(stats[k]) for k in (*METRIC_KEYS, "fitness")}

@@ -6,8 +6,8 @@ decisions added (validated, best, stop, the results row), on which the trainer a
 lives in its TrainingState, which the deciding steps update.
 
 The steps every rank takes (they hold collectives: validation is shared by the ranks) come first; the others belong to
-rank 0, which owns the run folder. `steps()` builds each rank's list once, so no step asks which rank it runs on; a step
-can be added to a trainer's list from outside (Trainer.add_step), as the benchmarks add theirs.
+rank 0, which owns the run folder. The trainer builds each rank's list once (Trainer._steps), so no step asks which
+rank it runs on; a step can be added to a trainer's list from outside (Trainer.add_step), as the benchmarks add theirs.
 """
 
 from __future__ import annotations

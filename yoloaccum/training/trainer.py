@@ -347,6 +347,7 @@ class Trainer:
         best = p.run.weights / "best.pt" if p.run else None
         from_best = distributed.from_main(bool(p.cfg.save and best and best.exists()), p.ctx)
         model, title = copy.deepcopy(p.ema.ema), "final figures: the last epoch's EMA (save=False)"
+        distributed.broadcast_buffers(model, p.ctx)  # rank 0's, as at every validation (epoch_end.SameBuffers)
         if from_best:
             weights = checkpoint.model_of(checkpoint.load(best)).state_dict() if p.ctx.is_main else None
             model.load_state_dict(distributed.from_main(weights, p.ctx))

@@ -1,6 +1,6 @@
 """The run's own state, apart from its parts': where training continues, the last validation's figures, the best
 fitness, and early stopping's count. The trainer owns one; the end-of-epoch steps tell it what they measured and ask
-it what follows; last.pt holds its state_dict (state.py places it under the keys Ultralytics and earlier formats use).
+it what follows; last.pt holds its state_dict under `training` (state.py), from which Ultralytics' entries derive.
 """
 
 from __future__ import annotations
