@@ -5,13 +5,15 @@ What Ultralytics 8.4.190 does with each file was found by running it; `make_bad_
 """
 
 import re
+import shutil
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
+import torch
 import yaml
-from conftest import PLUMBING
+from conftest import PLUMBING, TINY_MODEL
 
 import yoloaccum.config.ultra  # noqa: F401  (ultralytics offline before it is imported)
 from yoloaccum.config import settings as config
@@ -263,6 +265,60 @@ def test_a_split_without_one_usable_image_counts_each_once(unusable_run) -> None
     assert "train: 2 images, 2 skipped" in unusable_run.stderr
 
 
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory) -> Path:
+    """A small shapes set, to copy the images of."""
+    return shapes.generate(tmp_path_factory.mktemp("labelled") / "shapes", num_train=4, num_val=2, imgsz=64, seed=1)
+
+
+def unlabelled_yaml(folder: Path, labelled: Path) -> Path:
+    """A set of images with no labels folder (its train and val splits are the same folder, images/)."""
+    shutil.copytree(labelled / "images/train", folder / "bare/images")
+    path = folder / "unlabelled.yaml"
+    path.write_text(yaml.safe_dump({"path": str(folder / "bare"), "train": "images", "val": "images", "names": NAMES}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def untrained_pt(tmp_path_factory) -> Path:
+    """A checkpoint of the tiny model, untrained: what val needs to get as far as the data."""
+    from ultralytics.nn.tasks import DetectionModel
+
+    model = DetectionModel(TINY_MODEL, nc=len(NAMES), verbose=False)
+    model.names, model.args = dict(NAMES), {"imgsz": 64}
+    path = tmp_path_factory.mktemp("untrained") / "untrained.pt"
+    torch.save({"model": model}, path)
+    return path
+
+
+def test_training_on_images_without_labels_is_refused(tmp_path: Path, labelled: Path, cli_in_process) -> None:
+    """Ultralytics raises "No labels found" for a training split."""
+    r = cli_in_process("train", f"data={unlabelled_yaml(tmp_path, labelled)}", *TRAIN, f"project={tmp_path}/runs")
+    line = assert_one_error_line(r, f"no train image in {tmp_path / 'bare/images'} has a label file")
+    assert ".../images/x.jpg from .../labels/x.txt" in line and "add the labels folder" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_validating_on_images_without_labels_is_refused(tmp_path, labelled, untrained_pt, cli_in_process) -> None:
+    """Ultralytics only warns for a validation split, whose metrics are then all zero, and writes a label cache
+    that would let a later training through without a word."""
+    data_yaml = unlabelled_yaml(tmp_path, labelled)
+    r = cli_in_process("val", f"model={untrained_pt}", f"data={data_yaml}", "imgsz=64", "batch=2")
+    assert_one_error_line(r, f"no val image in {tmp_path / 'bare/images'} has a label file")
+    assert (tmp_path / "bare/labels.cache").exists()
+    r = cli_in_process("train", f"data={data_yaml}", *TRAIN, f"project={tmp_path}/runs")
+    assert_one_error_line(r, "no train image in", "has a label file")
+
+
+def test_training_with_an_unlabelled_val_split_is_refused(tmp_path, labelled, cli_in_process) -> None:
+    spec = {**yaml.safe_load(unlabelled_yaml(tmp_path, labelled).read_text()), "path": str(labelled)}
+    spec.update(train="images/train", val=str(tmp_path / "bare/images"))
+    (tmp_path / "val_unlabelled.yaml").write_text(yaml.safe_dump(spec))
+    r = cli_in_process("train", f"data={tmp_path / 'val_unlabelled.yaml'}", *TRAIN, f"project={tmp_path}/runs")
+    assert_one_error_line(r, "no val image in", "has a label file")
+    assert not (tmp_path / "runs").exists()
+
+
 # summary() on hand-made scans: no files, no Ultralytics. Messages are worded as Ultralytics 8.4.190 words them.
 P = "train: "  # Ultralytics' prefix, without its colour codes
 
@@ -315,6 +371,13 @@ def test_summary_format() -> None:
         ),
         (msg("/d/x.png", "Truncated File Read"), "unreadable image"),
         (msg("/d/x.png", "Invalid image format GIF."), "unreadable image"),
+        (msg("/d/x.png", "cannot reshape array of size 7 into shape (2)"), "wrong column count"),
+        (
+            msg("/d/x.png", "setting an array element with a sequence. The requested array has an inhomogeneous shape"),
+            "wrong column count",
+        ),
+        (msg("/d/x.png", "labels mix segment and detection rows"), "boxes and polygons mixed"),
+        (msg("/d/x.png", "'utf-8' codec can't decode byte 0xff in position 0"), "label file not UTF-8 text"),
     ],
 )
 def test_summary_reason_of_each_ultralytics_message(message: str, reason: str) -> None:
@@ -326,6 +389,28 @@ def test_summary_reason_of_each_ultralytics_message(message: str, reason: str) -
         assert text == f"train: 1 images, 0 skipped: 1 {reason}"
     else:
         assert text == f"train: 1 images, 1 skipped: 1 {reason}\n  skipped /d/x.png: {reason}"
+
+
+@pytest.mark.parametrize(
+    ("label", "reason"),
+    [
+        (b"0 0.1 0.2 0.3 0.4 0.5 0.6 0.7\n", "wrong column count"),  # a polygon with an odd number of coordinates
+        (b"0 0.5 0.5 0.2 0.2\n0 0.5 0.5 0.2\n", "wrong column count"),  # rows of 5 and 4 columns
+        (b"0 0.5 0.5 0.2 0.2\n0 0.1 0.1 0.2 0.1 0.2 0.2\n", "boxes and polygons mixed"),
+        ("0 0.5 0.5 0.2 0.2 \u00e9\n".encode("latin-1"), "label file not UTF-8 text"),
+    ],
+    ids=["odd-polygon", "ragged-rows", "box-and-polygon", "not-utf8"],
+)
+def test_a_malformed_label_is_not_called_an_unreadable_image(tmp_path: Path, label: bytes, reason: str) -> None:
+    """Ultralytics' own label check on a good image with a malformed label file: the summary names the label."""
+    from ultralytics.data.utils import verify_image_label
+
+    image, label_file = tmp_path / "x.png", tmp_path / "x.txt"
+    assert cv2.imwrite(str(image), np.full((64, 64, 3), 128, np.uint8))
+    label_file.write_bytes(label)
+    message = verify_image_label((str(image), str(label_file), P, False, len(NAMES), 0, 0, False))[-1]
+    scan = {"results": (1, 0, 0, 1, 1), "msgs": [message]}
+    assert data.summary("train", None, scan=scan).splitlines()[1] == f"  skipped {image}: {reason}"
 
 
 def test_summary_of_a_clean_split() -> None:

@@ -45,6 +45,8 @@ def folder(tmp_path_factory) -> Path:
         "no_val": {k: v for k, v in good.items() if k != "val"},
         "path_nowhere": {**good, "path": str(folder / "nowhere")},
         "split_nowhere": {**good, "train": "images/nowhere"},
+        "nc_mismatch": {**good, "nc": 3},
+        "five_names": {**good, "names": {**NAMES, 4: "star"}},  # no image has a star
     }
     for name, spec in broken.items():
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(spec))
@@ -54,6 +56,10 @@ def folder(tmp_path_factory) -> Path:
     (folder / "binary.yaml").write_bytes(bytes(range(256)))  # a picture or a .pt given where a YAML belongs
     torch.save({"ema": torch.nn.Linear(2, 2)}, folder / "whole.pt")
     (folder / "corrupt.pt").write_bytes((folder / "whole.pt").read_bytes()[:200])  # a copy cut short
+    torch.save([1, 2, 3], folder / "list.pt")  # a readable file that holds no model
+    (folder / "run/weights").mkdir(parents=True)
+    torch.save({"ema": torch.nn.Linear(2, 2)}, folder / "run/weights/last.pt")  # a run folder, given for its weights
+    (folder / "text.jpg").write_text("a text file named as an image")
     return folder
 
 
@@ -171,7 +177,7 @@ BAD_INPUT = [
     ),
     pytest.param(train("cache=foo"), ("cache=foo is not true/false or one of ram, disk",), id="cache-unknown"),
     pytest.param(train("name=../../x"), ("name=../../x would put the run outside project=",), id="name-leaves-project"),
-    pytest.param(train("lrf=2"), ("lrf=2.0 must be between 0 and 1",), id="lrf-above-1"),
+    pytest.param(train("lrf=2"), ("lrf=2.0 must be greater than 0 and at most 1",), id="lrf-above-1"),
     pytest.param(train("momentum=1.5"), ("momentum=1.5 must be between 0 and 1",), id="momentum-above-1"),
     pytest.param(
         train("model={folder}/corrupt.pt"), ("corrupt.pt is not a readable PyTorch checkpoint",), id="corrupt-pt"
@@ -198,6 +204,50 @@ BAD_INPUT = [
         id="classification-only-key",
     ),
     pytest.param(train("batch=None"), ("batch=None is not an integer",), id="none-for-a-number"),
+    # issue 62: what a new user tried, and got a traceback, or nothing, for
+    pytest.param(train("fraction=0"), ("fraction=0.0 must be greater than 0 and at most 1",), id="fraction-zero"),
+    pytest.param(
+        ("plan", "images=10", "fraction=0"), ("fraction=0.0 must be greater than 0",), id="plan-fraction-zero"
+    ),
+    pytest.param(
+        train("model={folder}"), ("model={folder} is a folder; give a model YAML", ".pt file"), id="model-folder"
+    ),
+    pytest.param(
+        train("pretrained={folder}"), ("{folder} is a folder, not a weights file; give",), id="pretrained-folder"
+    ),
+    pytest.param(
+        train("resume={folder}/run"),
+        ("{folder}/run is a folder, not a weights file", "e.g. {folder}/run/weights/last.pt"),
+        id="resume-folder",
+    ),
+    pytest.param(
+        train("data={folder}"),
+        ("data={folder} is a folder (it holds ", "give the dataset's YAML file"),
+        id="data-folder",
+    ),
+    pytest.param(train("cfg={folder}"), ("cfg={folder} is a folder", "give a recipe YAML file"), id="cfg-folder"),
+    pytest.param(train("pretrained={folder}/list.pt"), ("list.pt holds no Ultralytics model",), id="pt-of-a-list"),
+    pytest.param(
+        ("predict", "model={folder}/whole.pt", "source={folder}/text.jpg", "project={folder}/predicted"),
+        ("source={folder}/text.jpg is not an image OpenCV can read",),
+        id="predict-text-named-jpg",
+    ),
+    pytest.param(
+        train("data={folder}/nc_mismatch.yaml"),
+        ("nc_mismatch.yaml: nc: 3 but names lists 4 classes", "make them agree"),
+        id="nc-disagrees-with-names",
+    ),
+    pytest.param(train("classes=[]"), ("classes=[] keeps no class", "e.g. classes=[0, 2]"), id="classes-empty"),
+    pytest.param(
+        train("data={folder}/five_names.yaml", "classes=[4]"),
+        ("classes=[4]: no train image has a box of these classes",),
+        id="classes-without-boxes",
+    ),
+    pytest.param(train("freeze=-1"), ("freeze=-1 must not be negative",), id="freeze-negative"),
+    pytest.param(train("freeze=abc"), ("freeze=abc is not an integer or a list; e.g. freeze=10",), id="type-example"),
+    pytest.param(
+        train("cfg={data}"), ("is a dataset YAML (train, val, names), not a recipe", "data={data}"), id="cfg-dataset"
+    ),
 ]
 
 
@@ -273,9 +323,10 @@ def test_pretrained_of_another_architecture_loads_what_matches(run_cli, folder: 
 def test_verbose_or_debug_shows_the_traceback(run_cli, folder: Path, data: Path, flag, env) -> None:
     args = [a for a in (flag, "val", f"model={folder}/evil.pt", f"data={data}") if a]
     r = run_cli(*args, env=env)
-    assert r.returncode not in (0, 2), r.stderr[-3000:]  # the UserError is raised, not turned into exit code 2
+    assert r.returncode == 2, r.stderr[-3000:]  # a mistake's exit code, with or without its traceback
     assert "Traceback" in r.stderr
     assert "UserError" in r.stderr and "trust_weights=True" in r.stderr
+    assert r.stderr.rstrip().splitlines()[-1].startswith("error: ")  # the line, after the traceback
     assert not (folder / MARKER).exists()
 
 
@@ -294,3 +345,51 @@ def test_trust_weights_unpickles_in_full(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="holds no Ultralytics model"):
         checkpoint.load(path, trust=True)
     assert (tmp_path / MARKER).exists()
+
+
+def test_predict_on_a_file_that_is_no_image_leaves_no_folder(cli_in_process, folder: Path) -> None:
+    project = folder / "predicted_text"
+    r = cli_in_process("predict", f"model={folder}/whole.pt", f"source={folder}/text.jpg", f"project={project}")
+    assert r.returncode == 2 and "is not an image OpenCV can read" in r.stderr, r.stderr
+    assert not project.exists()
+
+
+def test_predict_leaves_out_the_files_of_a_folder_that_are_no_images(folder: Path, capsys) -> None:
+    from yoloaccum.commands import predict
+
+    mixed = folder / "mixed"
+    mixed.mkdir()
+    assert cv2.imwrite(str(mixed / "a.png"), np.full((64, 64, 3), 128, np.uint8))
+    (mixed / "b.jpg").write_text("not an image")
+    assert predict.images_in(str(mixed)) == [mixed / "a.png"]
+    assert f"{mixed}: 1 of 2 files left out, not images OpenCV can read: b.jpg" in capsys.readouterr().out
+    (mixed / "a.png").unlink()
+    with pytest.raises(UserError, match="none of the 1 image files in .* is an image OpenCV can read"):
+        predict.images_in(str(mixed))
+
+
+def test_the_api_raises_the_same_user_errors(folder: Path, data: Path) -> None:
+    """The front door answers the issue's cases with a UserError, as the CLI answers them with exit code 2."""
+    import yoloaccum
+
+    tiny = {"data": data, "imgsz": 64, "epochs": 1, "workers": 0, "batch": 4, "nbs": 4, "project": folder / "api"}
+    cases = [
+        (lambda: yoloaccum.train(**tiny, model=folder), "is a folder; give a model YAML"),
+        (lambda: yoloaccum.train(**tiny, pretrained=str(folder / "list.pt")), "holds no Ultralytics model"),
+        (lambda: yoloaccum.train(**tiny, classes=[]), "keeps no class"),
+        (lambda: yoloaccum.train(**tiny, freeze="x"), "e.g. freeze=10"),
+        (lambda: yoloaccum.plan(images=10, fraction=0), "must be greater than 0"),
+        (lambda: yoloaccum.predict(model=folder / "whole.pt", source=folder / "text.jpg"), "OpenCV can read"),
+    ]
+    for call, phrase in cases:
+        with pytest.raises(UserError, match=re.escape(phrase)):
+            call()
+
+
+def test_every_key_without_a_default_has_an_example_for_its_messages() -> None:
+    """A type error shows a value the key takes: its default, or where it has none, an example (not `key=None`)."""
+    from yoloaccum.config import schema, settings
+
+    for key in (k for k, spec in schema.schema().items() if spec.default is None):
+        with pytest.raises(UserError, match=rf"; e\.g\. {key}=(?!None)\S"):
+            settings.resolve(overrides={key: object()})

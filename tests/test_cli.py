@@ -94,9 +94,10 @@ def test_bad_input_exits_2_with_one_line(
 )
 def test_debug_shows_the_traceback(run_cli, args: tuple[str, ...], env: dict[str, str] | None) -> None:
     result = run_cli(*args, env=env)
-    assert result.returncode != 0
+    assert result.returncode == 2  # still a mistake's exit code
     assert "Traceback" in result.stderr
     assert "UserError: batch=abc is not an integer" in result.stderr
+    assert result.stderr.rstrip().splitlines()[-1] == "error: batch=abc is not an integer or a number; e.g. batch=16"
 
 
 def test_version(run_cli) -> None:

@@ -274,8 +274,10 @@ def test_every_cfg_attribute_the_code_reads_is_a_key() -> None:
 @pytest.mark.parametrize(
     "arg, message",
     [
-        ("fraction=1.5", "fraction=1.5 must be between 0 and 1"),
-        ("fraction=-0.1", "fraction=-0.1 must be between 0 and 1"),
+        ("fraction=1.5", "fraction=1.5 must be greater than 0 and at most 1"),
+        ("fraction=-0.1", "fraction=-0.1 must be greater than 0 and at most 1"),
+        ("fraction=0", "fraction=0.0 must be greater than 0 and at most 1"),  # Ultralytics refuses it
+        ("momentum=1.5", "momentum=1.5 must be between 0 and 1"),
         ("clip_grad=0", "clip_grad=0.0 must be greater than 0"),
         ("workers=-1", "workers=-1 must not be negative"),
         ("imgsz=100", "imgsz=100 must be a multiple of 32; e.g. imgsz=96"),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import PLUMBING, REPO, SERIAL, TINY_MODEL, final_weights, offline_env, relative_difference, shapes_yaml
 
 from yoloaccum.config import settings as config
@@ -167,6 +168,31 @@ def test_a_second_sigint_stops_at_once_and_leaves_loadable_weights(data, tmp_pat
     checkpoint.load(tmp_path / "twice/weights/last.pt")
 
 
+def test_a_second_sigint_before_anything_was_saved_leaves_no_run_folder(data, tmp_path, run_cli):
+    """Both in the first window: the run sends them to itself at iterations 0 and 1 (warmup off, so that the window
+    holds both). It stops at once with nothing saved, and args.yaml and an empty weights/ are no run to keep."""
+    env = {"YOLOACCUM_FAULT": "sigint@0-"}
+    r = run_cli("train", f"data={data}", *RUN, "warmup_epochs=0", f"project={tmp_path}", "name=twice", env=env)
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert not (tmp_path / "twice").exists()
+
+
+def test_ctrl_c_while_compiling_leaves_no_run_folder(data, tmp_path, monkeypatch):
+    """compile= compiles before the first window, where a Ctrl-C is not yet a graceful stop: it ends the run at once
+    (the CLI exits 130), and the folder it made goes with it. Compiling takes long on the CPU; a KeyboardInterrupt
+    raised where it starts stands in for the Ctrl-C."""
+    import yoloaccum
+    from yoloaccum.model import compiler
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compiler, "for_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        yoloaccum.train(**config.parse_args(RUN), data=data, compile=True, project=tmp_path, name="compiling")
+    assert not (tmp_path / "compiling").exists()
+
+
 def test_resume_refuses_arguments_that_change_the_schedule(uninterrupted, cli_in_process):
     for arg in ("batch=8", "nbs=16", "lr0=0.1", "lr_scale=sqrt"):
         r = cli_in_process("train", f"resume={uninterrupted / 'weights/epoch2.pt'}", arg)
@@ -179,6 +205,33 @@ def test_resume_refuses_arguments_that_change_the_schedule(uninterrupted, cli_in
 def test_resume_of_a_finished_run_without_epochs_is_a_clear_error(uninterrupted, cli_in_process):
     r = cli_in_process("train", f"resume={uninterrupted / 'weights/last.pt'}")
     assert r.returncode == 2 and "has finished (4 epochs); to train it further, give epochs=N" in r.stderr
+
+
+def test_a_finished_run_trained_with_time_is_extended_with_epochs_and_time_none(
+    uninterrupted, tmp_path, cli_in_process, run_cli
+):
+    """time= sets the epochs (re-estimated after each epoch), whatever epochs= says: the uninterrupted run, as a
+    time= run ends, its config at epochs=100 with time=, its schedule at the 4 epochs the clock allowed. epochs=N
+    alone, which the finished message once suggested, is refused with what to add (it ended in an IndexError, after
+    rewriting args.yaml); with time=None the run goes on to N epochs."""
+    run = shutil.copytree(uninterrupted, tmp_path / "timed")
+    last, args = run / "weights/last.pt", (run / "args.yaml").read_text()
+    ckpt = checkpoint.load(last)
+    ckpt["yoloaccum"]["config"] = {**ckpt["yoloaccum"]["config"], "time": 1e-05, "epochs": 100}
+    checkpoint.save_atomic(ckpt, last)
+    r = cli_in_process("train", f"resume={last}", "epochs=6")
+    assert r.returncode == 2 and "epochs=6 has no effect with time=1e-05" in r.stderr, r.stderr
+    assert "add time=None" in r.stderr
+    r = cli_in_process("train", f"resume={last}")
+    assert r.returncode == 2 and "has finished (4 epochs in time=1e-05 hours)" in r.stderr, r.stderr
+    assert f"e.g. resume={last} epochs=6 time=None" in " ".join(r.stderr.split())
+    assert (run / "args.yaml").read_text() == args
+    r = run_cli("train", f"resume={last}", "epochs=5", "time=None", env=SERIAL, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    state = checkpoint.load(last)["yoloaccum"]
+    assert (state["finished"], state["schedule"]["epochs"], state["training"]["position"]["epoch"]) == (True, 5, 5)
+    saved = yaml.safe_load((run / "args.yaml").read_text())
+    assert (saved["epochs"], saved["time"]) == (5, None)
 
 
 def test_best_pt_is_stripped_and_resume_points_to_last_pt(uninterrupted, cli_in_process):

@@ -1,13 +1,14 @@
 """The command line: parse key=value arguments, set up output and exit codes, and call one function per command.
 
 No training logic lives here. A UserError becomes exit code 2 and one line on stderr, a diverged run exit code 3;
-the traceback is shown only with --verbose or YOLOACCUM_DEBUG=1. Anything else is a bug and raises.
+--verbose or YOLOACCUM_DEBUG=1 shows the traceback above that line. Anything else is a bug and raises.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -142,7 +143,7 @@ def run() -> None:
         sys.exit(e.exit_code)
     except (UserError, Diverged) as e:
         if verbose or os.environ.get("YOLOACCUM_DEBUG") == "1":
-            raise
+            traceback.print_exc()  # where it was raised; the exit code stays the mistake's
         _say_error(str(e))
         sys.exit(e.exit_code if isinstance(e, Diverged) else 2)
     if isinstance(code, int) and code:

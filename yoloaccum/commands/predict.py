@@ -21,16 +21,25 @@ from yoloaccum.training.runs import next_free
 
 
 def images_in(source: str) -> list[Path]:
-    """The image itself, or the images directly in a folder, sorted."""
+    """The image itself, or the images directly in a folder, sorted; in a folder, files whose content OpenCV cannot
+    read are left out, with a line that names them. Ultralytics would stop at the first, half-way through."""
     path = Path(source)
     if path.is_file():
+        if not cv2.haveImageReader(str(path)):  # reads the file's first bytes only, whatever its name says
+            raise UserError(f"source={source} is not an image OpenCV can read; give an image file or a folder of them")
         return [path]
-    if path.is_dir():
-        found = sorted(p for p in path.iterdir() if p.suffix[1:].lower() in IMG_SUFFIXES)
-        if found:
-            return found
+    if not path.is_dir():
+        raise UserError(f"source={source} does not exist; give an image or a folder of images")
+    found = sorted(p for p in path.iterdir() if p.suffix[1:].lower() in IMG_SUFFIXES)
+    if not found:
         raise UserError(f"no images in {source}; predict reads {', '.join(sorted(IMG_SUFFIXES))} files")
-    raise UserError(f"source={source} does not exist; give an image or a folder of images")
+    readable = [p for p in found if cv2.haveImageReader(str(p))]
+    if not readable:
+        raise UserError(f"none of the {len(found)} image files in {source} is an image OpenCV can read")
+    if skipped := [p.name for p in found if p not in readable]:
+        names = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        print(f"{source}: {len(skipped)} of {len(found)} files left out, not images OpenCV can read: {names}")
+    return readable
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:

@@ -54,6 +54,10 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
             trainer.plot_schedule()
             run.finish(trainer.parts.evaluator, cfg)
         return TrainResult(metrics, run.path if run else None)
+    except BaseException:
+        if trainer.parts.run is not None:
+            trainer.parts.run.discard_if_empty()
+        raise
     finally:
         distributed.cleanup()
 

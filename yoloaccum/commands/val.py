@@ -47,14 +47,16 @@ def _validate(cfg: Config, ctx: distributed.Context) -> dict[str, Any]:
     """Every rank loads the weights and validates its share; rank 0 prints the figures (and, for a waiting process,
     writes them where METRICS_OUT says)."""
     error, model, spec = None, None, None
-    try:  # a weights file or dataset only some ranks' machines see: every rank stops with one line
-        ckpt = checkpoint.load(cfg.model, cfg.trust_weights)
-        spec = data.load_spec(cfg.data, cfg.split)
-        model = checkpoint.model_of(ckpt).fuse(verbose=False)  # Conv+BN fused, as Ultralytics validates saved weights
-        if len(model.names) != spec.nc:
-            raise UserError(f"{cfg.model} predicts {len(model.names)} classes but {cfg.data} has {spec.nc}")
-    except UserError as e:
-        error = str(e)
+    with distributed.main_first(ctx):  # rank 0 may generate the shapes set and write the label cache first
+        try:  # a weights file or dataset only some ranks' machines see: every rank stops with one line
+            ckpt = checkpoint.load(cfg.model, cfg.trust_weights)
+            spec = data.load_spec(cfg.data, cfg.split)
+            model = checkpoint.model_of(ckpt).fuse(verbose=False)  # Conv+BN fused, as Ultralytics validates weights
+            if len(model.names) != spec.nc:
+                raise UserError(f"{cfg.model} predicts {len(model.names)} classes but {cfg.data} has {spec.nc}")
+            data.check_val_labels(cfg, spec)
+        except UserError as e:
+            error = str(e)
     distributed.every_rank_ok(error, ctx)
     save_dir = Path(cfg.model).parent if ctx.is_main else None
     evaluator = Evaluator(cfg, spec, save_dir, cfg.batch, ctx.device, ctx=ctx)

@@ -26,6 +26,18 @@ _ANY_CASE = {"optimizer"}  # Ultralytics matches these names in any case; the Co
 _DERIVED = {
     "accumulate": "accumulate is derived as round(nbs / batch); set nbs to batch x N instead, e.g. nbs=64 with batch=8",
 }
+# A value to show in a message for the keys whose default is empty, where `e.g. freeze=None` would show nothing.
+_EXAMPLES = {
+    "data": "datasets/shapes.yaml",
+    "freeze": "10",
+    "time": "1.5",
+    "device": "0",
+    "classes": "[0, 2]",
+    "project": "runs/train",
+    "name": "exp",
+    "conf": "0.25",
+    "source": "images/",
+}
 
 
 @cache
@@ -121,11 +133,17 @@ def load_recipe(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     that describe a run (save_dir, mode, ...) or were retired by Ultralytics (half, ...) are listed, and so are
     unsupported ones whose value differs from Ultralytics' default (at the default they change nothing)."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml"))
+        holds = f" (it holds {', '.join(found[:3])})" if found else ""
+        raise UserError(f"cfg={path} is a folder{holds}; give a recipe YAML file")
     if not path.is_file():
         raise UserError(f"recipe file {path} does not exist; check the path given as cfg=")
     values = load_yaml(path)
     if not isinstance(values, dict):
         raise UserError(f"{path} must be a mapping of key: value lines")
+    if "names" in values and ("train" in values or "val" in values):
+        raise UserError(f"{path} is a dataset YAML (train, val, names), not a recipe; give it as data={path}")
     ours, ultra = schema(), ultralytics_defaults()
     # An empty value (`model:` in a copy of Ultralytics' default.yaml) means "not set", not "set to nothing".
     values = {k: v for k, v in values.items() if v is not None or k not in ours or ours[k].default is None}
@@ -201,7 +219,12 @@ def _from_text(key: str, text: str) -> Any:
             return _list_from_text(key, f"[{text}]")
         if t is str:
             return text
-    raise UserError(f"{key}={text} is not {type_names(spec.types)}; e.g. {key}={spec.default}")
+    raise UserError(f"{key}={text} is not {type_names(spec.types)}; e.g. {_example(spec)}")
+
+
+def _example(spec: Key) -> str:
+    """key=value with a value the key takes: its default, or where that is empty, _EXAMPLES' value."""
+    return f"{spec.name}={spec.default if spec.default is not None else _EXAMPLES[spec.name]}"
 
 
 def _integral(text: str) -> bool:
@@ -232,7 +255,7 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
         if k == "multi_scale" and isinstance(v, bool):  # Ultralytics before 8.4: a switch for +/- 50%
             v = values[k] = 0.5 if v else 0.0
         if v is None:
-            raise UserError(f"{k} needs a value: {_what_it_takes(spec)}; e.g. {k}={spec.default}")
+            raise UserError(f"{k} needs a value: {_what_it_takes(spec)}; e.g. {_example(spec)}")
         if isinstance(v, int) and not isinstance(v, bool) and float in spec.types and int not in spec.types:
             v = values[k] = float(v)
         if isinstance(v, float) and v.is_integer() and int in spec.types and (float not in spec.types or v >= 1):
@@ -240,7 +263,7 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
         if k in _ANY_CASE and isinstance(v, str):
             v = values[k] = next((c for c in spec.choices if c.lower() == v.lower()), v)
         if isinstance(v, bool) and bool not in spec.types or not isinstance(v, spec.types):
-            raise UserError(f"{k}={v!r} is not {type_names(spec.types)}; e.g. {k}={spec.default}")
+            raise UserError(f"{k}={v!r} is not {type_names(spec.types)}; e.g. {_example(spec)}")
         if isinstance(v, float) and not math.isfinite(v):
             raise UserError(f"{k}={v} must be a finite number")
         if isinstance(v, list):
@@ -257,7 +280,10 @@ def _what_it_takes(spec: Key) -> str:
 
 
 def _check_list(key: str, value: list) -> None:
-    """freeze lists layer indices or module names; classes lists class ids."""
+    """freeze lists layer indices or module names; classes lists class ids, at least one (Ultralytics keeps no box for
+    an empty list)."""
+    if key == "classes" and not value:
+        raise UserError("classes=[] keeps no class: list the class ids to train on, e.g. classes=[0, 2], or drop it")
     kinds = (int, str) if key == "freeze" else (int,)
     if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in value):
         what, example = (
@@ -277,7 +303,8 @@ def _check_rules(spec: Key, v: Any) -> None:
         _check_batch(v)
     low = spec.minimum is None or (v > spec.minimum if spec.exclusive else v >= spec.minimum)
     if spec.maximum is not None and not (low and v <= spec.maximum):
-        raise UserError(f"{k}={v} must be between {spec.minimum:g} and {spec.maximum:g}")
+        above = f"greater than {spec.minimum:g} and at most" if spec.exclusive else f"between {spec.minimum:g} and"
+        raise UserError(f"{k}={v} must be {above} {spec.maximum:g}")
     if not low:
         bound = f"greater than {spec.minimum:g}" if spec.exclusive else f"at least {spec.minimum:g}"
         raise UserError(f"{k}={v} must {'not be negative' if bound == 'at least 0' else 'be ' + bound}")

@@ -44,6 +44,10 @@ def find_yaml(name: str | Path) -> Path:
     path = Path(name)
     if path.is_file():
         return path.resolve()
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml"))
+        holds = f" (it holds {', '.join(found[:3])})" if found else ""
+        raise UserError(f"data={name} is a folder{holds}; give the dataset's YAML file (path, train, val, names)")
     for folder in DATASETS_DIRS:
         if not path.is_absolute() and (folder / path.name).is_file() and path.parent == Path("."):
             return (folder / path.name).resolve()
@@ -70,6 +74,10 @@ def load_spec(name: str | Path, split: str = "val") -> DatasetSpec:
         names = dict(enumerate(names))
     if not isinstance(names, dict) or sorted(names) != list(range(len(names))):
         raise UserError(f"{yaml_file}: names must be a list or a mapping 0: name, 1: name, ... without gaps")
+    if "nc" in raw and raw["nc"] != len(names):  # Ultralytics refuses it too: which one is meant is not known
+        raise UserError(
+            f"{yaml_file}: nc: {raw['nc']} but names lists {len(names)} classes; make them agree, or drop nc"
+        )
     return DatasetSpec(
         yaml_file,
         root,
@@ -124,7 +132,7 @@ def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32, 
     paths = [str(p) for p in (spec.train if split == "train" else spec.val)]
     scanned_dataset = _scanned_dataset_class()
     try:
-        return scanned_dataset(
+        dataset = scanned_dataset(
             img_path=paths if len(paths) > 1 else paths[0],
             imgsz=cfg.imgsz,
             batch_size=cfg.batch,
@@ -143,11 +151,40 @@ def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32, 
         )
     except FileNotFoundError as e:
         raise UserError(f"{spec.yaml_file}: no images found for {split} in {', '.join(paths)}") from e
+    except ValueError as e:  # Ultralytics' "No labels found": a training split with no label file at all
+        if "No labels found" not in str(e):
+            raise
+        raise UserError(_no_label_files(spec, split, paths)) from e
     except RuntimeError as e:
         if "No valid images" not in str(e):
             raise
         reasons = summary(split, None, scan=scanned_dataset.last_scan).splitlines()[0]
         raise UserError(f"{spec.yaml_file}: no usable {split} images ({reasons})") from e
+    if not dataset.scan["results"][0]:  # a validation split, or the label cache one wrote: Ultralytics only warns
+        raise UserError(_no_label_files(spec, split, paths))
+    if cfg.classes is not None and not any(len(label["cls"]) for label in dataset.labels):
+        raise UserError(
+            f"classes={cfg.classes}: no {split} image has a box of these classes; give ids of classes "
+            f"{spec.yaml_file.name} has boxes of, or drop classes"
+        )
+    return dataset
+
+
+def check_val_labels(cfg: Config, spec: DatasetSpec) -> None:
+    """The validation split has label files, and boxes of classes=: without, every metric is 0, which Ultralytics'
+    validator reports with a warning at most. Training's random states are left as they were (building a dataset
+    draws from Python's)."""
+    from yoloaccum.process.rng import rng_kept
+
+    with rng_kept():
+        build_dataset(cfg.replace(cache=False, fraction=1.0), spec, "val", augment=False)
+
+
+def _no_label_files(spec: DatasetSpec, split: str, paths: list[str]) -> str:
+    return (
+        f"{spec.yaml_file}: no {split} image in {', '.join(paths)} has a label file; Ultralytics reads the boxes of "
+        ".../images/x.jpg from .../labels/x.txt (a line 'class x y w h' per box): add the labels folder"
+    )
 
 
 @cache
@@ -176,12 +213,16 @@ _REASONS = (
     ("corrupt JPEG restored", "corrupt JPEG restored (image kept)"),
     ("<10 pixels", "image smaller than 10 px"),
     ("columns", "wrong column count"),
+    ("inhomogeneous shape", "wrong column count"),  # rows of different lengths
+    ("cannot reshape", "wrong column count"),  # a polygon with an odd number of coordinates
+    ("mix segment and detection", "boxes and polygons mixed"),
+    ("codec can't decode", "label file not UTF-8 text"),
     ("could not convert", "non-numeric label"),
     ("out of bounds coordinates", "coordinates outside [0, 1]"),
     ("negative label values", "coordinates outside [0, 1]"),
     ("non-integer class", "class id not an integer"),
     ("exceeds dataset class count", "class id >= nc"),
-    ("", "unreadable image"),
+    ("", "unreadable image"),  # the image checks' messages vary (PIL's, or a missing HEIF plugin)
 )
 
 

@@ -24,6 +24,8 @@ def resolve_yaml(name: str) -> str:
 
     if Path(name).is_file():
         return str(Path(name).resolve())
+    if Path(name).is_dir():
+        raise UserError(f"model={name} is a folder; give a model YAML such as yolo26n.yaml, or a .pt file")
     try:
         yaml_model_load(name)  # searches Ultralytics' cfg/models folders; never downloads a non-URL name
     except FileNotFoundError as e:

@@ -1,10 +1,12 @@
 """Checkpoints in Ultralytics' layout, so best.pt opens in ultralytics.YOLO; written atomically, loaded safely.
 
 A checkpoint (last.pt) is Ultralytics' dict (a half-precision `ema` model, `train_args`, `epoch`, ...) plus a
-`yoloaccum` entry holding what an exact resume needs in plain tensors and numbers: the fp32 model and EMA weights, the
-optimizer, scaler, schedule, position, early-stopping state and RNG states. best.pt is `stripped` of all that.
+`yoloaccum` entry holding what an exact resume needs in plain tensors and numbers: each part's state_dict() (the fp32
+model, the EMA, the engine's optimizer and scaler, the training state, every rank's random states). best.pt is
+`stripped` of all that.
 
-That entry is the training state, which state.py alone writes and reads; this module holds files, not layouts.
+That entry is the training state, which state.py writes and reads; this module holds files, and reads of the entry
+only the weights (model_of) and what best.pt keeps of it (stripped).
 """
 
 from __future__ import annotations
@@ -144,6 +146,10 @@ def load(path: str | Path, trust: bool = False) -> dict[str, Any]:
     from ultralytics.nn.tasks import torch_safe_load
 
     path = Path(path)
+    if path.is_dir():
+        found = [p for p in ("weights/last.pt", "weights/best.pt", "last.pt", "best.pt") if (path / p).is_file()]
+        example = f", e.g. {path / found[0]}" if found else ""
+        raise UserError(f"{path} is a folder, not a weights file; give the path to a .pt file{example}")
     if not path.is_file():  # checked here: Ultralytics would try to download a missing file by its name
         raise UserError(f"weights file {path} does not exist; give the path to a local .pt file")
     if path.suffix != ".pt":
@@ -151,8 +157,13 @@ def load(path: str | Path, trust: bool = False) -> dict[str, Any]:
     corrupt = f"{path} is not a readable PyTorch checkpoint (truncated or corrupt?); copy it again, or give another .pt"
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut-off copy has no central directory
         raise UserError(corrupt)
+    no_model = f"{path} holds no Ultralytics model (no 'ema' or 'model' entry); give a .pt that Ultralytics saved"
     try:
         ckpt, _ = torch_safe_load(str(path), safe_only=not trust)
+    except AttributeError as e:  # not a dict: Ultralytics takes it for a saved YOLO object and reads its .model
+        if "has no attribute 'model'" not in str(e):
+            raise
+        raise UserError(no_model) from e
     except TypeError as e:
         if "not a loadable checkpoint" in str(e):
             raise UserError(corrupt) from e
@@ -163,7 +174,7 @@ def load(path: str | Path, trust: bool = False) -> dict[str, Any]:
             "run code); if you trust this file, add trust_weights=True"
         ) from e
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("ema") or ckpt.get("model"), torch.nn.Module):
-        raise UserError(f"{path} holds no Ultralytics model (no 'ema' or 'model' entry)")
+        raise UserError(no_model)
     return ckpt
 
 

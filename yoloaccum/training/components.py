@@ -44,6 +44,7 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
         data.check_classes(cfg.classes, spec)
         shared = shared_cache.wanted(cfg.cache, ctx)  # cache=ram once per machine, below, not once per rank
         train_set = data.build_dataset(cfg.replace(cache=False) if shared else cfg, spec, "train")
+        data.check_val_labels(cfg, spec)
     if shared:
         shared_cache.cache_once_per_machine(train_set, ctx, "train")
     if not str(cfg.model).endswith(".pt"):
@@ -82,8 +83,6 @@ def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
     schedule = schedule_.build(cfg.replace(batch=batch), len(train_set), ctx.world_size, spec.nc)
     if ckpt is not None:  # with time=, the epochs the run re-estimated last, which it estimates again
         schedule = resume.resumed_schedule(ckpt["yoloaccum"], schedule, spec.nc, follow_epochs=not cfg.time)
-        if run and resume.extension_note(ckpt["yoloaccum"], cfg):
-            run.write_args(cfg)  # the run's settings now: its new epochs
     # mosaic's pool: 8 windows of this device's images, as a real batch of nbs would draw them, or (batch) 8 global
     # micro-batches, as yoloaccum sized it before the key (on one device, Ultralytics' sizing)
     window = schedule.effective_batch // ctx.world_size if cfg.mosaic_buffer == "window" else batch
@@ -114,6 +113,8 @@ def _build_on(cfg, ctx, ckpt, spec, train_set, run, raw_model, frozen) -> Parts:
     )
     # every rank validates its share of the images, in batches of twice the micro-batch; rank 0 draws the plots
     evaluator = Evaluator(cfg, spec, run.path if run else None, schedule.micro_batch * 2, ctx.device, log, ctx=ctx)
+    if run and ckpt is not None and resume.extension_note(ckpt["yoloaccum"], cfg):
+        run.write_args(cfg)  # the run's settings now, its new epochs, once every part was built for them
     return Parts(
         cfg,
         ctx,

@@ -62,16 +62,26 @@ def load(cfg: Config, given_keys: Iterable[str]) -> tuple[Config, dict[str, Any]
     state = ckpt["yoloaccum"] = state_.read(ckpt, path)
     saved, given = state["config"], {k: cfg[k] for k in given_keys if k in cfg}
     run, done = path.parent.parent, state["training"]["position"]["epoch"]
-    extend = "epochs" in given and given["epochs"] != saved["epochs"]
-    if extend and (not isinstance(given["epochs"], int) or given["epochs"] <= done):
+    # time= sets the epochs from the time left, re-estimated after each epoch: the schedule holds the last estimate,
+    # the config the epochs= it was given (which Ultralytics' loss reads)
+    planned = (state.get("schedule") or saved)["epochs"]
+    timed = given["time"] if "time" in given else saved.get("time")
+    epochs = given.get("epochs", saved["epochs"])
+    if timed and epochs != saved["epochs"]:
         raise UserError(
-            f"epochs={given['epochs']}: the run in {run} has done {done} epochs; to continue it, give "
-            f"epochs greater than {done}"
+            f"epochs={epochs} has no effect with time={timed:g}, which sets the epochs from the time left; to train "
+            f"the run in {run} to {epochs} epochs, add time=None"
+        )
+    extend = not timed and "epochs" in given and epochs != planned
+    if extend and epochs <= done:
+        raise UserError(
+            f"epochs={epochs}: the run in {run} has done {done} epochs; to continue it, give epochs greater than {done}"
         )
     if state.get("finished") and not extend:
+        held, untimed = (f" in time={saved['time']:g} hours", " time=None") if saved.get("time") else ("", "")
         raise UserError(
-            f"the run in {run} has finished ({done} epochs); to train it further, give epochs=N with N "
-            f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}"
+            f"the run in {run} has finished ({done} epochs{held}); to train it further, give epochs=N{untimed} with N "
+            f"greater than {done}, e.g. resume={path} epochs={done + max(done // 2, 1)}{untimed}"
         )
     # keys newer than the run: the value it trained with in effect (their default, or how yoloaccum worked before)
     added = {k.name: BEFORE_THE_KEY.get(k.name, k.default) for k in schema().values() if k.name not in saved}
@@ -106,10 +116,10 @@ def resumed_schedule(state: dict[str, Any], built: Schedule, nc: int, follow_epo
 
 
 def extension_note(state: dict[str, Any], cfg: Config) -> str | None:
-    """What continuing to cfg.epochs does, in Ultralytics' terms; None when epochs is as saved."""
+    """What continuing to cfg.epochs does, in Ultralytics' terms; None when epochs is as saved, or set by time=."""
     saved = state.get("schedule") or state["config"]
     planned, epochs, done, close = saved["epochs"], cfg.epochs, state["training"]["position"]["epoch"], cfg.close_mosaic
-    if epochs == planned:
+    if epochs == planned or cfg.time:
         return None
     decay = "cosine" if cfg.cos_lr else "linear"
     note = (

@@ -70,6 +70,12 @@ class RunDir:
         if self.created:
             shutil.rmtree(self.path, ignore_errors=True)
 
+    def discard_if_empty(self) -> None:
+        """Remove the folder of a run that stopped before it saved weights or a results row (a second Ctrl-C in its
+        first epoch, or one while compile= compiles), if this run made it: args.yaml alone is nothing to resume."""
+        if not any(self.weights.glob("*")) and not self.results.file.exists():
+            self.discard()
+
     def write_args(self, cfg: Config) -> None:
         """args.yaml: the run's settings (again when a resume extends its epochs)."""
         with open_in_run(self.path / "args.yaml", "w") as f:
