@@ -4,10 +4,11 @@
 
 Each measurement is a fresh torchrun job (gloo on the CPU, one thread a rank, as torchrun sets it) running this file
 with --worker: it builds the shapes set's validation Evaluator, the run's own, and times one validation of yolo26n at
-160 px in batches of 16, after a warm-up one; then it builds the training set with cache=ram and reports the memory
-the cache added on the machine: the growth of every rank's proportional set size (shared pages split among the ranks
-that map them) summed over the ranks. The 1- and 2-rank jobs alternate within each repeat; medians. The 2-rank cache
-is measured twice: shared once per machine (yoloaccum), and one copy per rank (Ultralytics' way, cache_per_rank).
+160 px in batches of 16, after a warm-up one; then it builds the training set with cache=ram and reports the memory the
+cache added on the machine: the growth, once every image was read, of every rank's proportional set size (shared pages
+split among the ranks that map them) summed over the ranks. The 1- and 2-rank jobs alternate within each repeat;
+medians. The 2-rank cache is measured twice: shared once per machine (yoloaccum), and one copy per rank (Ultralytics'
+way, --per-rank).
 Writes benchmarks/results_ddp_validation.json and prints a Markdown table.
 """
 
@@ -71,6 +72,7 @@ def worker(data: str, out: str, per_rank: bool) -> None:
         else:
             dataset.cache = "ram"
             dataset.cache_images()
+    int(dataset.ims.buffer.sum())  # every image read once, as an epoch reads them: mapped pages count once touched
     distributed.barrier(ctx)
     added = pss_bytes() - before
     cache_bytes = int(dataset.ims.offsets[-1])
