@@ -9,6 +9,7 @@ gets them, so each image is predicted once and the figures are one process's.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from yoloaccum.data.datasets import DatasetSpec
 from yoloaccum.distributed import ddp as distributed
 from yoloaccum.distributed.ddp import Context
 from yoloaccum.errors import UserError
+from yoloaccum.process.rng import rng_kept
 
 METRIC_KEYS = ("metrics/precision(B)", "metrics/recall(B)", "metrics/mAP50(B)", "metrics/mAP50-95(B)")
 
@@ -69,7 +71,10 @@ class Evaluator:
         its share of the images by it. The first rank builds the dataset first (it may write Ultralytics' label
         cache); a folder that only some ranks see stops every rank with one line, none waiting for the others."""
         error, self.share_batch = None, batch
-        with distributed.main_first(self.ctx):
+        # Building Ultralytics' dataset draws from Python's random numbers. Rank 0 built one before validation was
+        # shared; the other ranks' training draws stay what they were without one.
+        kept = contextlib.nullcontext() if self.ctx.is_main else rng_kept()
+        with distributed.main_first(self.ctx), kept:
             try:
                 self.dataset = self._dataset(batch)
             except UserError as e:
