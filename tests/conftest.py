@@ -51,7 +51,8 @@ _block_the_network()
 # first, they leave the short files to fill the end, instead of one worker finishing a long file alone. Files not
 # named follow in their usual order.
 LONGEST_FIRST = (
-    *("test_bench_smoke.py", "test_compile.py", "test_distributed.py", "test_resume.py", "test_from_ultralytics.py"),
+    *("test_bench_smoke.py", "test_compile.py", "test_distributed.py", "test_validate_ddp.py", "test_resume.py"),
+    "test_from_ultralytics.py",
     *("test_norm.py", "test_bad_input.py"),
     *("test_train.py", "test_validate.py", "test_parity.py", "test_backoff.py", "test_precise_bn.py"),
 )
@@ -403,3 +404,34 @@ def final_weights(run: Path):
 def relative_difference(a, b) -> float:
     """max|a - b| / max|b|."""
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """A model that has learned something, so that compared metrics are not all zero: yolo11n, 6 epochs of 160 shapes
+    images at 96 px; its best.pt and dataset (32 validation images). Made once for the whole test run."""
+
+    def make(folder: Path) -> list[str]:
+        dataset = shapes_yaml(folder, num_train=160, num_val=32, imgsz=96, seed=11)
+        r = _run_cli(
+            "train",
+            f"data={dataset}",
+            "model=yolo11n.yaml",
+            "imgsz=96",
+            "batch=8",
+            "nbs=8",
+            "epochs=6",
+            "mosaic=0",
+            "warmup_epochs=1",
+            "close_mosaic=0",
+            "workers=0",
+            "val=False",
+            f"project={folder}",
+            "name=val",
+            timeout=900,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [str(folder / "val/weights/best.pt"), str(dataset)]
+
+    weights, dataset = made_once(tmp_path_factory, "trained", make)
+    return Path(weights), Path(dataset)
