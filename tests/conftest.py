@@ -46,7 +46,7 @@ def _block_the_network() -> None:
 _block_the_network()
 
 
-# The files whose tests take longest, longest first: seconds of work in a fresh-clone run (docs/testing.md). `make
+# The files whose tests take longest, longest first (benchmarks/records/test-suite-times.md has their seconds). `make
 # test` hands whole files to its workers in collection order (`--dist loadfile --no-loadscope-reorder`); started
 # first, they leave the short files to fill the end, instead of one worker finishing a long file alone. Files not
 # named follow in their usual order.

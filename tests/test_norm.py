@@ -309,7 +309,7 @@ def test_compiled_bn_window_equals_eager(tmp_path):
     the pass run eager on both: the same gradient to float tolerance, and the same statistics. A guard of the
     combination (it traces, and trains as eager does), not a numerics gate: both sides run the same norm.py, and
     running the pass compiled too, the one compile-specific choice, still gives the same figures (tried as a
-    mutation: docs/testing.md)."""
+    mutation: benchmarks/records/mutations.md)."""
     import sys
 
     from conftest import REPO
