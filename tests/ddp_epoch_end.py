@@ -53,8 +53,11 @@ def main(data: str, model: str, out: str) -> None:
     identical = all(
         torch.equal(torch.from_numpy(dataset.ims[i]), torch.from_numpy(own.load_image(i)[0])) for i in range(len(own))
     )
-    maps = Path("/proc/self/maps").read_text()
-    seen.update(cache=dataset.cache, identical=identical, mapped="yoloaccum-" in maps and "check (deleted)" in maps)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    mapped = any("yoloaccum-" in line and "-check" in line for line in maps)
+    dist.barrier()  # every rank past cache_once_per_machine: the file's name is gone, its mapping stays
+    removed = not list(shared_cache.SHM.glob("yoloaccum-*-check*"))
+    seen.update(cache=dataset.cache, identical=identical, mapped=mapped and removed)
     seen["every_rank"] = same_on_every_rank(torch.tensor([seen["identical"], seen["mapped"]]))
     if ctx.is_main:
         Path(out).write_text(json.dumps(seen))
