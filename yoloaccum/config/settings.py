@@ -128,15 +128,19 @@ def parse_args(args: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def yamls_in(folder: Path) -> str:
+    """ " (it holds a.yaml, b.yaml)": for the line that refuses a folder given where a YAML file is meant."""
+    found = sorted(p.name for p in folder.glob("*.y*ml"))
+    return f" (it holds {', '.join(found[:3])})" if found else ""
+
+
 def load_recipe(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     """Read a recipe YAML, an Ultralytics run's args.yaml included. Keys yoloaccum does not take are dropped: those
     that describe a run (save_dir, mode, ...) or were retired by Ultralytics (half, ...) are listed, and so are
     unsupported ones whose value differs from Ultralytics' default (at the default they change nothing)."""
     path = Path(path)
     if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.y*ml"))
-        holds = f" (it holds {', '.join(found[:3])})" if found else ""
-        raise UserError(f"cfg={path} is a folder{holds}; give a recipe YAML file")
+        raise UserError(f"cfg={path} is a folder{yamls_in(path)}; give a recipe YAML file")
     if not path.is_file():
         raise UserError(f"recipe file {path} does not exist; check the path given as cfg=")
     values = load_yaml(path)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from yoloaccum.config.settings import Config, load_yaml
+from yoloaccum.config.settings import Config, load_yaml, yamls_in
 from yoloaccum.errors import UserError
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # yoloaccum/
@@ -45,9 +45,9 @@ def find_yaml(name: str | Path) -> Path:
     if path.is_file():
         return path.resolve()
     if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.y*ml"))
-        holds = f" (it holds {', '.join(found[:3])})" if found else ""
-        raise UserError(f"data={name} is a folder{holds}; give the dataset's YAML file (path, train, val, names)")
+        raise UserError(
+            f"data={name} is a folder{yamls_in(path)}; give the dataset's YAML file (path, train, val, names)"
+        )
     for folder in DATASETS_DIRS:
         if not path.is_absolute() and (folder / path.name).is_file() and path.parent == Path("."):
             return (folder / path.name).resolve()
@@ -154,35 +154,32 @@ def build_dataset(cfg: Config, spec: DatasetSpec, split: str, stride: int = 32, 
     except ValueError as e:  # Ultralytics' "No labels found": a training split with no label file at all
         if "No labels found" not in str(e):
             raise
-        raise UserError(_no_label_files(spec, split, paths)) from e
+        raise UserError(no_label_files(spec.yaml_file, split, paths)) from e
     except RuntimeError as e:
         if "No valid images" not in str(e):
             raise
         reasons = summary(split, None, scan=scanned_dataset.last_scan).splitlines()[0]
         raise UserError(f"{spec.yaml_file}: no usable {split} images ({reasons})") from e
-    if not dataset.scan["results"][0]:  # a validation split, or the label cache one wrote: Ultralytics only warns
-        raise UserError(_no_label_files(spec, split, paths))
-    if cfg.classes is not None and not any(len(label["cls"]) for label in dataset.labels):
-        raise UserError(
-            f"classes={cfg.classes}: no {split} image has a box of these classes; give ids of classes "
-            f"{spec.yaml_file.name} has boxes of, or drop classes"
-        )
+    check_labels(dataset, spec.yaml_file, split, paths, cfg.classes)
     return dataset
 
 
-def check_val_labels(cfg: Config, spec: DatasetSpec) -> None:
-    """The validation split has label files, and boxes of classes=: without, every metric is 0, which Ultralytics'
-    validator reports with a warning at most. Training's random states are left as they were (building a dataset
-    draws from Python's)."""
-    from yoloaccum.process.rng import rng_kept
+def check_labels(dataset, yaml_file: Path, split: str, paths: list[str], classes: list[int] | None) -> None:
+    """A split as Ultralytics built it (training's, or validation's in evaluation/validate.py) has label files, and
+    with classes= boxes of those classes: without, a validation's every metric is 0, which Ultralytics reports with
+    a warning at most (or, from the label cache an earlier build wrote, not at all)."""
+    if not any(Path(f).is_file() for f in dataset.label_files):
+        raise UserError(no_label_files(yaml_file, split, paths))
+    if classes is not None and not any(len(label["cls"]) for label in dataset.labels):
+        raise UserError(
+            f"classes={classes}: no {split} image has a box of these classes; give ids of classes "
+            f"{yaml_file.name} has boxes of, or drop classes"
+        )
 
-    with rng_kept():
-        build_dataset(cfg.replace(cache=False, fraction=1.0), spec, "val", augment=False)
 
-
-def _no_label_files(spec: DatasetSpec, split: str, paths: list[str]) -> str:
+def no_label_files(yaml_file: Path, split: str, paths: list[str]) -> str:
     return (
-        f"{spec.yaml_file}: no {split} image in {', '.join(paths)} has a label file; Ultralytics reads the boxes of "
+        f"{yaml_file}: no {split} image in {', '.join(paths)} has a label file; Ultralytics reads the boxes of "
         ".../images/x.jpg from .../labels/x.txt (a line 'class x y w h' per box): add the labels folder"
     )
 

@@ -22,6 +22,7 @@ from yoloaccum.config.settings import Config
 from yoloaccum.config.ultra import ultralytics_args
 from yoloaccum.core import backoff
 from yoloaccum.data import batches, shared_cache
+from yoloaccum.data import datasets as data
 from yoloaccum.data.datasets import DatasetSpec
 from yoloaccum.distributed import ddp as distributed
 from yoloaccum.distributed.ddp import Context
@@ -63,7 +64,7 @@ class Evaluator:
         self.validator = v = DetectionValidator(save_dir=Path(save_dir or self._scratch.name), args=args)
         v.data = {"names": spec.names, "nc": spec.nc, "channels": 3, cfg.split: [str(p) for p in spec.val]}
         v.device, v.stride, v.training = device, 32, True  # training=True: no JSON; plots only when asked
-        self.yaml_file, self.split, self.log = spec.yaml_file, cfg.split, log
+        self.yaml_file, self.split, self.log, self.classes = spec.yaml_file, cfg.split, log, cfg.classes
         self.set_batch(batch)
 
     def set_batch(self, batch: int) -> None:
@@ -96,6 +97,7 @@ class Evaluator:
             raise UserError(f"{self.yaml_file}: no images found for {self.split} in {', '.join(paths)}") from e
         if len(dataset) == 0:
             raise UserError(f"{self.yaml_file}: the {self.split} split holds no images; give it some, or val=False")
+        data.check_labels(dataset, self.yaml_file, self.split, paths, self.classes)
         return dataset
 
     def _build_loader(self, batch: int) -> None:

@@ -44,7 +44,6 @@ def build(cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | Non
         data.check_classes(cfg.classes, spec)
         shared = shared_cache.wanted(cfg.cache, ctx)  # cache=ram once per machine, below, not once per rank
         train_set = data.build_dataset(cfg.replace(cache=False) if shared else cfg, spec, "train")
-        data.check_val_labels(cfg, spec)
     if shared:
         shared_cache.cache_once_per_machine(train_set, ctx, "train")
     if not str(cfg.model).endswith(".pt"):

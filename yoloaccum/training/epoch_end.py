@@ -155,13 +155,8 @@ class ResultsRow:
     they were after any out-of-memory back-off; and the metrics table when verbose."""
 
     def __init__(self, results: Results, engine: Engine, state: TrainingState, loss_names, console: Console | None):
-        self.results, self.engine, self.state, self.loss_names, self.console = (
-            results,
-            engine,
-            state,
-            loss_names,
-            console,
-        )
+        self.results, self.engine, self.state = results, engine, state
+        self.loss_names, self.console = loss_names, console
 
     def __call__(self, end: EpochEnd, decided: Decided) -> Decided:
         e, s = self.engine, self.engine.schedule

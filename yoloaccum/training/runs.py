@@ -31,7 +31,7 @@ class RunDir:
 
     path: Path
     console: Console = field(default_factory=lambda: Console(soft_wrap=True))  # logs keep whole lines
-    created: bool = False  # made by this run, not reused (exist_ok) or reopened (resume)
+    made: Path | None = None  # the outermost folder this run made (its own, or project= too); None when reused
 
     @classmethod
     def create(cls, cfg: Config) -> RunDir:
@@ -43,7 +43,9 @@ class RunDir:
                 f"name=exp, and choose the folder with project="
             )
         path = next_free(project / name, cfg.exist_ok)
-        created = not path.exists()
+        made = None if path.exists() else path
+        while made is not None and not made.parent.exists():  # project= too, where this run makes it
+            made = made.parent
         try:
             (path / "weights").mkdir(parents=True, exist_ok=True)
             probe = path / ".write_test"
@@ -51,7 +53,7 @@ class RunDir:
             probe.unlink()
         except OSError as e:
             raise UserError(f"cannot write the run folder {path} ({e.strerror}); choose another project=") from e
-        run = cls(path, created=created)
+        run = cls(path, made=made)
         run.write_args(cfg)
         elastic.mark(path)  # under torchrun: a job it restarts finds its run here
         for log in ("results.csv", "schedule.csv"):
@@ -66,9 +68,10 @@ class RunDir:
         return cls(path)
 
     def discard(self) -> None:
-        """Remove the folder of a run that failed before it trained, if this run made it."""
-        if self.created:
-            shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the folder of a run that failed before it trained, if this run made it, and project= with it where
+        the run made that too."""
+        if self.made is not None:
+            shutil.rmtree(self.made, ignore_errors=True)
 
     def discard_if_empty(self) -> None:
         """Remove the folder of a run that stopped before it saved weights or a results row (a second Ctrl-C in its

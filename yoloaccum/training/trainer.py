@@ -126,9 +126,8 @@ class Trainer:
             self._compile()
         self.train_start = time.perf_counter()
         self.clock = RunClock(cfg.time, cfg.save_minutes, is_main=self.parts.ctx.is_main)
-        bounded = distributed.bounded(
-            self.parts.ctx, lambda: self.parts.engine.ni, cfg.ddp_timeout
-        )  # a hung rank: named
+        p = self.parts
+        bounded = distributed.bounded(p.ctx, lambda: p.engine.ni, cfg.ddp_timeout)  # a hung rank: named
         with GracefulStop() as stop_signal, frozen_heap(), bounded, self._closing_steps():
 
             def should_stop() -> bool:  # a signal, or time= spent
@@ -347,11 +346,12 @@ class Trainer:
         best = p.run.weights / "best.pt" if p.run else None
         from_best = distributed.from_main(bool(p.cfg.save and best and best.exists()), p.ctx)
         model, title = copy.deepcopy(p.ema.ema), "final figures: the last epoch's EMA (save=False)"
-        distributed.broadcast_buffers(model, p.ctx)  # rank 0's, as at every validation (epoch_end.SameBuffers)
         if from_best:
             weights = checkpoint.model_of(checkpoint.load(best)).state_dict() if p.ctx.is_main else None
             model.load_state_dict(distributed.from_main(weights, p.ctx))
             title = f"final figures: {best} validated"
+        else:  # rank 0's buffers, as at every validation (epoch_end.SameBuffers)
+            distributed.broadcast_buffers(model, p.ctx)
         self.follow_back_offs()
         if self.drawing is not None:
             self.drawing.join()  # labels.jpg is done before the validation draws its curves
