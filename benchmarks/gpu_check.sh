@@ -302,6 +302,17 @@ def compiled(logfile, rc, run, eager):
     return status, f"{done.group(1)[:120]}; {detail}"
 
 
+def time_split(run, logfile):
+    """Where a run's time went (results.csv's time/ columns, epochs 2 on, the device's clock) and its verdict."""
+    r = rows(run)[1:] or rows(run)
+    split = {k[5:]: sum(num(x[k]) for x in r) for k in r[0] if k.startswith("time/")}
+    total = sum(split.values()) or 1.0
+    shares = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v / total >= 0.01)
+    lines = log(logfile).splitlines()
+    verdict = next((lines[i + 1] for i, l in enumerate(lines[:-1]) if l.startswith("time: ")), "no verdict line")
+    return "INFO", f"epochs 2 on: {shares}; verdict: {verdict[:300]}"
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     try:
@@ -720,9 +731,10 @@ step autobatch_plan_full_gpu 60 "${YA[@]}" plan data="$BIG" imgsz=640 batch=-1 n
 report autobatch_full_gpu plan "$LOGS/autobatch_plan_full_gpu.log" $rc 64
 
 # ------------------------------------------------------------------------------------------------ 8. throughput, side by side
-# Both trainers at their defaults with AMP, whole epochs at 640 px, at micro-batch 16 and 8 (nbs 64): what a user of a
-# small GPU asks first (issue 49). 768 images an epoch; epochs 2-3 measured from results.csv's times.
-for B in 16 8; do
+# Both trainers at their defaults with AMP, whole epochs at 640 px, at micro-batch 8 and 2 (nbs 64): what a user of a
+# small GPU asks first (issue 49). 768 images an epoch; epochs 2-3 measured from results.csv's times. Each yoloaccum run
+# also says where its time went (issue 60): results.csv's time/ columns and the verdict its last lines give.
+for B in 8 2; do
   TP=(model=yolo26n.yaml data=$BIG imgsz=640 batch=$B nbs=64 epochs=3 fraction=0.5 workers=8 device=0 cache=ram
       close_mosaic=0 warmup_epochs=0 val=False plots=False seed=0 deterministic=True exist_ok=True project=$RUNS)
   step throughput_yoloaccum_b$B 100 "${YA[@]}" train "${TP[@]}" name=tp_ya_b$B; rc_a=$?
@@ -736,6 +748,7 @@ print(json.dumps(common.bare_limit('yolo26n.yaml', '$BIG', 640, $B, 30)))"
   [ $rc_b -ne 0 ] && result throughput_ultralytics_b$B WARN "rc=$rc_b: $(tail_of throughput_ultralytics_b$B)"
   # AMP's start in the same runs, from 2**16: yoloaccum's replayed windows against Ultralytics' skipped steps
   [ $rc_a -eq 0 ] && report amp_start_640px_b$B amp_start "$RUNS/tp_ya_b$B" "$RUNS/tp_ul_b$B"
+  [ $rc_a -eq 0 ] && report time_split_640px_b$B time_split "$RUNS/tp_ya_b$B" "$LOGS/throughput_yoloaccum_b$B.log"
 done
 
 # ------------------------------------------------------------------------------------------------ 9. val on CUDA, and the suite's CUDA-dependent tests

@@ -62,6 +62,7 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         self.register_buffer("window_shift", torch.zeros(num_features, device=device), persistent=False)
         self._sums: torch.Tensor | None = None  # during a pass: count, sum and sum of squares per channel (float64)
         self._chunk_mean = self._chunk_var = None  # during a pass: scratch for batch_norm's statistics of a chunk
+        self._count = 0  # during a pass: the values per channel so far, on the host (no read-back to branch on it)
 
     @classmethod
     def from_batchnorm(cls, bn: nn.BatchNorm2d) -> WindowBatchNorm2d:
@@ -92,6 +93,7 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         is one chunk) and add its per-channel moments to the window's."""
         y = F.batch_norm(x, self._chunk_mean, self._chunk_var, self.weight, self.bias, True, 1.0, self.eps)
         count = x.numel() // x.shape[1]
+        self._count += count
         mean = self._chunk_mean.double()
         var = self._chunk_var.double() * ((count - 1) / count if count > 1 else 0.0)  # batch_norm keeps it unbiased
         self._sums += torch.stack([torch.full_like(mean, count), mean * count, (var + mean * mean) * count])
@@ -100,13 +102,14 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
     def _start(self) -> None:
         self._sums = torch.zeros(3, self.num_features, dtype=torch.float64, device=self.running_mean.device)
         self._chunk_mean, self._chunk_var = torch.zeros_like(self.running_mean), torch.ones_like(self.running_var)
+        self._count = 0
 
     def _finish(self) -> None:
         """The window's mean and (biased) variance from the pass's moments; the running statistics updated once, as
         BatchNorm's step over one batch of the window would update them."""
         count, total, total_sq = self._sums
         self._sums = self._chunk_mean = self._chunk_var = None
-        if count[0] < 1:  # no image reached this layer
+        if self._count < 1:  # no image reached this layer
             return
         mean = total / count
         var = (total_sq / count - mean * mean).clamp(min=0)
@@ -118,7 +121,7 @@ class WindowBatchNorm2d(nn.BatchNorm2d):
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
             momentum = self.momentum if self.momentum is not None else 0.1
-            unbiased = var * count / (count - 1) if count[0] > 1 else var
+            unbiased = var * count / (count - 1) if self._count > 1 else var
             self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
             self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
 

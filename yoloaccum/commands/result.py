@@ -9,11 +9,13 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a training run left: its final metrics (Ultralytics' names: "metrics/mAP50-95(B)", ...), its folder, and
-    its weights (None where the run saved none)."""
+    """What a training run left: its final metrics (Ultralytics' names: "metrics/mAP50-95(B)", ...), its folder,
+    where its time went, and its weights (None where the run saved none)."""
 
     metrics: dict[str, float]
     save_dir: Path | None
+    time_split: dict[str, float] = field(default_factory=dict)  # seconds per phase (training/time_report.py)
+    verdict: str = ""  # what bound the run, and what to try (empty from torchrun's launcher: rank 0 printed it)
     best: Path | None = field(init=False)
     last: Path | None = field(init=False)
 

@@ -50,10 +50,20 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
     try:
         metrics = trainer.train()
         run = trainer.parts.run
+        report = None
         if run is not None:
             trainer.plot_schedule()
-            run.finish(trainer.parts.evaluator, cfg)
-        return TrainResult(metrics, run.path if run else None)
+
+            def time_lines() -> list[str]:
+                nonlocal report
+                trainer.parts.engine.timer.lap("plots")  # results.png, schedule.png, the final table
+                report = trainer.time_report()
+                return report.lines()
+
+            run.finish(trainer.parts.evaluator, cfg, time_lines)
+        return TrainResult(
+            metrics, run.path if run else None, report.split if report else {}, report.verdict if report else ""
+        )
     except BaseException:
         if trainer.parts.run is not None:
             trainer.parts.run.discard_if_empty()

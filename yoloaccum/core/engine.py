@@ -21,6 +21,7 @@ from yoloaccum.core import backoff, optim
 from yoloaccum.core.buffers import Kept
 from yoloaccum.core.micro_batch import model_input, split_batch
 from yoloaccum.core.schedule import Schedule
+from yoloaccum.core.timing import PhaseTimer
 from yoloaccum.core.window import EpochResult, StepRecord, WindowCounts, one_by_one, windows_ahead
 from yoloaccum.distributed import ddp as distributed
 from yoloaccum.distributed.ddp import Context
@@ -74,6 +75,8 @@ class Engine:
     save_due: bool = False  # a rank asked, in the window just stepped, for last.pt at this boundary
     replays: list[int] = field(default_factory=list)  # iterations whose window ran again after an AMP overflow
     replayed: int = 0  # times the open window has run again
+    # Where the time goes (timing.py): each part of a micro-step and the step, lapped; no host sync added.
+    timer: PhaseTimer = field(default_factory=PhaseTimer.off)
 
     def __post_init__(self):
         self.window_counts = WindowCounts(len(self.loss.param_groups()), self.ctx.device)
@@ -95,6 +98,7 @@ class Engine:
         # GradScaler exists for float16, whose gradients underflow; bfloat16 has float32's range and needs none.
         dtype = fields.get("amp_dtype", torch.float16)
         fields.setdefault("scaler", torch.amp.GradScaler(ctx.device.type, enabled=amp and dtype == torch.float16))
+        fields.setdefault("timer", PhaseTimer(ctx.device))
         return cls(
             model=distributed.wrap(raw_model, ctx, bn),
             raw_model=raw_model,
@@ -125,7 +129,9 @@ class Engine:
         s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
         numbered = enumerate(batches, start)
         looked = windows_ahead(s, epoch, numbered) if self.window_statistics else one_by_one(numbered)
+        timer = self.timer
         for i, batch, upcoming in looked:
+            timer.lap("data")  # the loader's next batch (with bn=window, the window's batches) was waited for
             self.ni = ni = epoch * nb + i
             last_in_window = s.steps_after(ni)
             if self.micro_batches_in_window == 0:  # a skipped window must not leave its statistics in BatchNorm
@@ -134,6 +140,7 @@ class Engine:
             if upcoming:  # bn=window: the statistics of the window's images (this epoch's part of it), then its steps
                 self.window_ahead = upcoming
                 self.window_statistics(upcoming)
+                timer.lap("bn_window")
             if self.window_batches is not None:
                 self.window_batches.append(batch)
             if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts
@@ -142,9 +149,12 @@ class Engine:
             items = self._micro_steps(ni, batch, last_in_window)
             fill = -(-self.micro_batches_in_window // self.split)  # in loader batches, as accumulate counts them
             stop = self._step(ni, should_stop(), should_save()) if last_in_window else False
+            if last_in_window:
+                timer.lap("step")
             if on_micro_step is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 on_micro_step(i, items, batch["img"].shape[0], fill, s.accumulate_at(ni), lr)
+            timer.lap("other")
             if last_in_window:
                 if stop:
                     return EpochResult(i + 1, "interrupted")
@@ -152,6 +162,7 @@ class Engine:
                     return EpochResult(i + 1, "diverged")
                 if self.save_due and on_save is not None:
                     on_save(i + 1)
+                    timer.lap("save")
         assert i + 1 == nb, f"the loader gave {i + 1} batches, the schedule expects {nb}"
         return EpochResult(nb, None)
 
@@ -247,6 +258,7 @@ class Engine:
     def micro_step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward one micro-batch; backward() adds into .grad, so nothing is normalised here."""
         batch["img"] = model_input(batch["img"], self.ctx.device)
+        self.timer.lap("to_device")
         with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp):
             preds = self.model(batch["img"])
             loss, items, counts = self.loss(preds, batch)
@@ -255,6 +267,7 @@ class Engine:
         c.non_finite_losses += (~torch.isfinite(loss.detach())).float()
         self.micro_batches_in_window += 1
         self.scaler.scale(loss).backward()
+        self.timer.lap("forward_backward")
         return items
 
     def _step(self, ni: int, stop_requested: bool, save_requested: bool = False) -> bool:

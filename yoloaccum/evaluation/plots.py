@@ -19,6 +19,7 @@ import numpy as np
 
 import yoloaccum.config.ultra  # noqa: F401  (offline, and check_font patched, before any Ultralytics plotting import)
 from yoloaccum.core.schedule import Schedule
+from yoloaccum.core.timing import PhaseTimer
 from yoloaccum.model.checkpoint import disk_errors
 
 
@@ -63,17 +64,27 @@ def train_batch_indices(schedule: Schedule, close_mosaic: int) -> frozenset[int]
 
 
 def train_batches(
-    batches: Iterable[dict], first_ni: int, plot_at: frozenset[int], save_dir: Path, names: dict[int, str]
+    batches: Iterable[dict],
+    first_ni: int,
+    plot_at: frozenset[int],
+    save_dir: Path,
+    names: dict[int, str],
+    timer: PhaseTimer | None = None,
 ) -> Iterator[dict]:
-    """The loader's batches, unchanged; those at an iteration in plot_at are also drawn into train_batch{ni}.jpg."""
+    """The loader's batches, unchanged; those at an iteration in plot_at are also drawn into train_batch{ni}.jpg (the
+    time that takes lapped as plots, the wait for the batch before it as data)."""
     from ultralytics.utils.plotting import plot_images
 
     for ni, batch in enumerate(batches, first_ni):
         if ni in plot_at:
+            if timer is not None:
+                timer.lap("data")
             # A shallow copy: the engine replaces batch["img"] with the model's input while the thread still draws.
             plot_images(
                 labels=dict(batch), paths=batch["im_file"], fname=save_dir / f"train_batch{ni}.jpg", names=names
             )
+            if timer is not None:
+                timer.lap("plots")
         yield batch
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yoloaccum.batchnorm import precise as precise_bn
+from yoloaccum.core import timing
 from yoloaccum.data import datasets as data
 from yoloaccum.distributed import ddp
 from yoloaccum.distributed.ddp import Context
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
     from yoloaccum.config.settings import Config
     from yoloaccum.core.engine import Engine
+    from yoloaccum.core.timing import PhaseTimer
     from yoloaccum.core.window import StepRecord
     from yoloaccum.evaluation.validate import Evaluator
     from yoloaccum.training.progress import Results
@@ -64,6 +66,7 @@ class Decided:
 
 
 Step = Callable[[EpochEnd, Decided], Decided]
+# A step's `phase` attribute says where its time goes in the run's time split (core/timing.py); one without, "other".
 
 
 class PreciseBN:
@@ -73,6 +76,8 @@ class PreciseBN:
     Its images are drawn at the first recompute, from the seed alone, and kept (N x 3 x imgsz^2 bytes: 20 MB for 256
     images at 160 px, 315 MB at 640); drawing them leaves training's random states as they were, so training is the
     same with and without precise_bn, and a resumed run draws the same images."""
+
+    phase = "precise_bn"
 
     def __init__(self, num_images: int, cfg: Config, spec: data.DatasetSpec, ctx: Context, ema: Any, frozen=()):
         self.num_images = num_images  # images the recompute passes (schedule.precise_bn_count): 0 recomputes nothing
@@ -104,6 +109,8 @@ class SameBuffers:
     collective per window), so the EMAs' statistics drift apart; their parameters are the same on every rank. After a
     precise_bn recompute, which sums every rank's statistics, they are the same already."""
 
+    phase = "validation"
+
     def __init__(self, ema: Any, ctx: Context):
         self.ema, self.ctx = ema, ctx
 
@@ -116,6 +123,8 @@ class RankStates:
     """Every rank's own state (`of()`: random states, mosaic buffer, the engine's part) gathered to rank 0 for the next
     save. A collective: every rank calls it, at the point of the epoch (or stop) where its random states are those the
     next epoch starts from. Without saving (save=False, the same on every rank) no rank gathers."""
+
+    phase = "save"
 
     def __init__(self, of: Callable[[], dict[str, Any]], ctx: Context, enabled: bool):
         self.of, self.ctx, self.enabled = of, ctx, enabled
@@ -138,6 +147,8 @@ class Validate:
     """Validate the EMA with val=True, at the final epoch, and (as Ultralytics) whenever early stopping could trigger
     now, so that it sees a fresh figure; then note whether the fitness is the best so far."""
 
+    phase = "validation"
+
     def __init__(self, evaluator: Evaluator, ema: Any, criterion: Any, state: TrainingState, val: bool, before=None):
         self.evaluator, self.ema, self.criterion, self.state, self.val = evaluator, ema, criterion, state, val
         self.before = before or (lambda: None)  # the validation batch after an out-of-memory back-off (the trainer's)
@@ -151,22 +162,36 @@ class Validate:
 
 
 class ResultsRow:
-    """results.csv's row: time, mean training losses, metrics, lr per group, and the accumulation's own columns as
-    they were after any out-of-memory back-off; and the metrics table when verbose."""
+    """results.csv's row: time, mean training losses, metrics, lr per group, the accumulation's own columns as they
+    were after any out-of-memory back-off, and where the time since the last row went (`time/<phase>`, seconds: the
+    previous epoch's save, this epoch's training and its end up to this row); and the metrics table when verbose.
+    `elapsed()` is the seconds since training started, as Ultralytics' `time` column, taken when the row is made."""
 
-    def __init__(self, results: Results, engine: Engine, state: TrainingState, loss_names, console: Console | None):
+    phase = "logs"
+
+    def __init__(
+        self,
+        results: Results,
+        engine: Engine,
+        state: TrainingState,
+        loss_names,
+        console: Console | None,
+        elapsed: Callable[[], float],
+    ):
         self.results, self.engine, self.state = results, engine, state
-        self.loss_names, self.console = loss_names, console
+        self.loss_names, self.console, self.elapsed = loss_names, console, elapsed
 
     def __call__(self, end: EpochEnd, decided: Decided) -> Decided:
         e, s = self.engine, self.engine.schedule
-        row = {"epoch": end.epoch + 1, "time": round(end.elapsed, 3)}  # as Ultralytics
+        split = e.timer.take()  # the time since the last row, every step before this one lapped (run_steps)
+        row = {"epoch": end.epoch + 1, "time": round(self.elapsed(), 3)}  # as Ultralytics
         row.update({f"train/{n}": v for n, v in zip(self.loss_names, end.train_losses)})
         row.update(self.state.metrics)
         row.pop("fitness", None)
         row.update({f"lr/pg{i}": g["lr"] for i, g in enumerate(e.optimizer.param_groups)})
         extra = (e.accumulate, s.effective_batch, s.weight_decay, end.images_per_second, e.micro_batch)
         row.update(zip(EXTRA_COLUMNS, extra))
+        row.update({f"time/{phase}": round(split.get(phase, 0.0), 4) for phase in timing.PHASES})
         self.results.append(row)
         if self.console is not None and decided.validated:
             show_metrics(self.console, self.state.metrics, f"epoch {end.epoch + 1}/{s.epochs}")
@@ -175,6 +200,8 @@ class ResultsRow:
 
 class EarlyStopping:
     """Ultralytics' early stopping (TrainingState.stop_early): "patience" ends the run, except at its final epoch."""
+
+    phase = "other"
 
     def __init__(self, state: TrainingState):
         self.state = state
@@ -188,6 +215,8 @@ class EarlyStopping:
 class Save:
     """last.pt after every epoch, epochN.pt every save_period epochs, and best.pt when fitness improved. `checkpoint_of`
     gives the run's checkpoint at its training state's position (state.of), finished or not."""
+
+    phase = "save"
 
     def __init__(self, weights: Path, save_period: int, checkpoint_of: Callable[[bool], dict[str, Any]]):
         self.weights, self.save_period, self.checkpoint_of = weights, save_period, checkpoint_of
@@ -203,11 +232,13 @@ class Save:
         return decided
 
 
-def run_steps(steps: list[Step], end: EpochEnd) -> Decided:
-    """The steps in order, each given what the ones before it decided."""
+def run_steps(steps: list[Step], end: EpochEnd, timer: PhaseTimer | None = None) -> Decided:
+    """The steps in order, each given what the ones before it decided; each one's time lapped to its phase."""
     decided = Decided()
     for step in steps:
         decided = step(end, decided)
+        if timer is not None:
+            timer.lap(getattr(step, "phase", "other"))
     return decided
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,12 +106,15 @@ class RunDir:
             f"{precise}results in {self.path}{chosen}"
         )
 
-    def finish(self, evaluator, cfg: Config) -> None:
-        """results.png and the final per-class table."""
+    def finish(self, evaluator, cfg: Config, time_lines: Callable[[], list[str]] = list) -> None:
+        """results.png, the final per-class table, where the run's time went (`time_lines()`, asked once the pictures
+        are drawn, so that they count), and where its weights are, last."""
         if cfg.plots and self.results.file.exists():
             self.results.plot()
         if evaluator is not None and cfg.verbose:
             self.console.print(evaluator.class_table())
+        for line in time_lines():
+            self.console.print(line)
         if cfg.save:
             self.console.print(f"weights: {self.weights / 'best.pt'} and {self.weights / 'last.pt'}")
         else:

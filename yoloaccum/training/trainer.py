@@ -31,7 +31,7 @@ from yoloaccum.model import build as model_
 from yoloaccum.model import checkpoint, compiler
 from yoloaccum.process.memory import frozen_heap
 from yoloaccum.process.signals import GracefulStop, Interrupted
-from yoloaccum.training import components, epoch_end, faults, state
+from yoloaccum.training import components, epoch_end, faults, state, time_report
 from yoloaccum.training.clock import RunClock
 from yoloaccum.training.parts import Parts
 from yoloaccum.training.progress import EpochProgress, StepLog
@@ -68,6 +68,7 @@ class Trainer:
         self.rank_states = epoch_end.RankStates(lambda: state.rank_state(self.parts), p.ctx, enabled=p.cfg.save)
         self.clock = RunClock(None, 0)  # time= and save_minutes=: started with train()
         self.train_start = 0.0
+        self.epochs_run = 0  # by this process (the time report's)
         self.epoch_end = self._steps()
         if ckpt is not None:
             self._restore(ckpt)
@@ -88,7 +89,7 @@ class Trainer:
         console = p.run.console if p.cfg.verbose else None
         steps = [
             *every,
-            epoch_end.ResultsRow(p.run.results, p.engine, self.state, self.loss_names, console),
+            epoch_end.ResultsRow(p.run.results, p.engine, self.state, self.loss_names, console, self._elapsed),
             *([board] if board else []),
         ]
         if p.cfg.save:
@@ -125,6 +126,7 @@ class Trainer:
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
             self._compile()
         self.train_start = time.perf_counter()
+        self.parts.engine.timer.restart()  # the time split counts from here (compile time is reported on its own)
         self.clock = RunClock(cfg.time, cfg.save_minutes, is_main=self.parts.ctx.is_main)
         p = self.parts
         bounded = distributed.bounded(p.ctx, lambda: p.engine.ni, cfg.ddp_timeout)  # a hung rank: named
@@ -283,6 +285,7 @@ class Trainer:
             self.parts.cfg.log_every,
             self.parts.ctx.device,
             enabled=self.parts.run is not None,
+            split=self.parts.engine.timer.current,
         )
 
         def on_micro_step(i, items, images, fill, accumulate, lr):
@@ -294,7 +297,12 @@ class Trainer:
         batches = self.parts.loader
         if self.parts.run and self.plot_at:
             batches = plots.train_batches(
-                batches, epoch * s.batches_per_epoch + start, self.plot_at, self.parts.run.path, self.parts.spec.names
+                batches,
+                epoch * s.batches_per_epoch + start,
+                self.plot_at,
+                self.parts.run.path,
+                self.parts.spec.names,
+                self.parts.engine.timer,
             )
         if cfg.multi_scale:  # where batches leave the loader: bn=window's pass sees the sizes the micro-steps train
             batches = multiscale.resized(
@@ -343,6 +351,7 @@ class Trainer:
         images; with plots=True rank 0 also draws its batches, confusion matrices and curves. best.pt is on rank 0's
         machine: its weights reach the other ranks from there."""
         p = self.parts
+        p.engine.timer.lap("other")
         best = p.run.weights / "best.pt" if p.run else None
         from_best = distributed.from_main(bool(p.cfg.save and best and best.exists()), p.ctx)
         model, title = copy.deepcopy(p.ema.ema), "final figures: the last epoch's EMA (save=False)"
@@ -358,7 +367,26 @@ class Trainer:
         metrics = p.evaluator.evaluate(model.fuse(verbose=False).to(p.ctx.device), plots=p.cfg.plots)
         if p.run is not None:
             show_metrics(p.run.console, metrics, title)
+        p.engine.timer.lap("validation")
         return metrics
+
+    def _elapsed(self) -> float:
+        """Seconds since training started (results.csv's `time`)."""
+        return time.perf_counter() - self.train_start
+
+    def time_report(self) -> time_report.Report:
+        """Where this process's time went since training started, and what bound it (rank 0 says it at the end)."""
+        p, timer = self.parts, self.parts.engine.timer
+        timer.take()
+        return time_report.Report.of(
+            timer.total,
+            timer.total_host,
+            p.cfg,
+            p.ctx.device,
+            p.engine.micro_batch,
+            p.loader.num_workers,
+            self.epochs_run,
+        )
 
     @property
     def loss_names(self) -> tuple[str, ...]:
@@ -375,6 +403,7 @@ class Trainer:
         """The end-of-epoch steps (epoch_end.py), then the one decision every rank takes together: "final" or
         "patience" when training ends here, else None."""
         self.state.position = (epoch + 1, 0)
+        self.epochs_run += 1
         end = epoch_end.EpochEnd(
             epoch,
             final=epoch + 1 == self.parts.schedule.epochs,
@@ -385,7 +414,8 @@ class Trainer:
             steps=tuple(self.epoch_steps),
             skipped=tuple(self.parts.engine.skipped),
         )
-        decided = epoch_end.run_steps(self.epoch_end, end)
+        self.parts.engine.timer.lap("other")  # the epoch's bookkeeping after its last window
+        decided = epoch_end.run_steps(self.epoch_end, end, self.parts.engine.timer)
         ended = "final" if end.final else decided.stop
         return ("patience", "final")[end.final] if self._agree(ended is not None) else None
 

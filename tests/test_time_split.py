@@ -1,0 +1,259 @@
+"""Where a run's time goes (core/timing.py, training/time_report.py): the laps add up, the verdict follows the
+figures, a loader slowed on purpose is named, and the hot path keeps one host synchronisation per window."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import shapes_yaml
+from torch.overrides import TorchFunctionMode
+
+from yoloaccum.core.timing import PHASES, PhaseTimer
+from yoloaccum.training import time_report
+
+
+def cfg(**overrides):
+    """The keys the verdict reads, at their defaults."""
+    keys = {"val": True, "bn_window": 0, "compile": False, "cache": False, "imgsz": 640} | overrides
+    return SimpleNamespace(**keys)
+
+
+def split(**seconds) -> dict[str, float]:
+    return {phase: seconds.get(phase, 0.0) for phase in PHASES}
+
+
+# --- the timer
+
+
+def test_laps_give_every_second_to_one_phase_and_take_starts_again():
+    timer = PhaseTimer(torch.device("cpu"))
+    start = time.perf_counter()
+    timer.restart()
+    time.sleep(0.02)
+    timer.lap("data")
+    time.sleep(0.01)
+    timer.lap("forward_backward")
+    timer.lap("forward_backward")
+    taken = timer.take()
+    wall = time.perf_counter() - start
+    assert set(taken) == {"data", "forward_backward"}
+    assert taken["data"] >= 0.02 and taken["forward_backward"] >= 0.01
+    assert sum(taken.values()) == pytest.approx(wall, abs=2e-3)
+    time.sleep(0.005)
+    timer.lap("step")
+    assert set(timer.take()) == {"step"}  # counted from the last lap, not from the start
+    assert timer.total["data"] == taken["data"] and timer.total["step"] >= 0.005
+
+
+def test_a_timer_that_is_off_measures_nothing():
+    timer = PhaseTimer.off()
+    timer.restart()
+    timer.lap("data")
+    assert timer.take() == {} and timer.current() == {} and timer.laps == 0
+
+
+# --- the verdict's arithmetic
+
+
+def test_a_run_that_waits_for_its_loader_is_data_bound_with_what_it_does_not_do_yet(monkeypatch):
+    v = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(), "cpu", 8, 0, 3)
+    assert v.startswith("data-bound: 30% of training waited for the loader")
+    assert "cache=ram" in v and "smaller imgsz (it trained at 640)" in v
+    assert "workers" not in v  # on the CPU the data loads in process: workers would change nothing
+    cached = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(cache="ram"), "cpu", 8, 0, 3)
+    assert "cache=ram" not in cached  # it has it already
+    monkeypatch.setattr(time_report.os, "cpu_count", lambda: 8)  # a GPU machine's cores: the advice's ceiling
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    on_gpu = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(), "cuda", 8, 2, 3)
+    assert "try workers=4 (it had 2), cache=ram" in on_gpu
+    all_cores = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(), "cuda", 8, 8, 3)
+    assert "workers" not in all_cores
+
+
+def test_below_the_threshold_the_run_is_compute_bound():
+    v = time_report.verdict(split(data=2.0, forward_backward=7.5, step=0.5), {}, cfg(), "cpu", 8, 0, 3)
+    assert v == "compute-bound: forward and backward took 75% of training; nothing around them held it up"
+
+
+def test_validation_heavy_only_where_val_false_would_save_the_time():
+    figures = split(forward_backward=5.0, validation=4.5, precise_bn=0.5)  # 5 s over 5 epochs' and the final one's
+    v = time_report.verdict(figures, {}, cfg(), "cpu", 8, 0, 5)
+    assert v.startswith("validation-heavy: 50% of the run validated, 33% before the last epoch"), v
+    assert time_report.verdict(figures, {}, cfg(val=False), "cpu", 8, 0, 5).startswith("compute-bound")
+    # one epoch: val=False would validate as often, so nothing to advise
+    assert time_report.verdict(figures, {}, cfg(), "cpu", 8, 0, 1).startswith("compute-bound")
+
+
+def test_the_statistics_pass_names_the_cheaper_modes_it_does_not_use_yet():
+    figures = split(forward_backward=6.0, bn_window=3.0, step=1.0)
+    v = time_report.verdict(figures, {}, cfg(), "cpu", 2, 0, 3)
+    assert v.startswith("bn=window's statistics pass took 30% of training; bn_window=16")
+    assert "bn_window=16" not in time_report.verdict(figures, {}, cfg(bn_window=16), "cpu", 2, 0, 3)
+
+
+def test_launch_bound_where_the_host_takes_as_long_to_launch_as_the_gpu_to_run():
+    device, host = split(forward_backward=8.0, step=2.0), {"forward_backward": 7.6}
+    v = time_report.verdict(device, host, cfg(), "cuda", 2, 8, 3)
+    assert v.startswith("launch-bound: at micro-batch 2") and "compile=True" in v
+    assert "compile=True" not in time_report.verdict(device, host, cfg(compile=True), "cuda", 2, 8, 3)
+    busy = time_report.verdict(device, {"forward_backward": 2.0}, cfg(), "cuda", 2, 8, 3)
+    assert busy.startswith("compute-bound")
+    assert time_report.verdict(device, host, cfg(), "cpu", 2, 0, 3).startswith("compute-bound")  # the CPU: no launches
+
+
+def test_two_findings_at_most_the_larger_first():
+    figures = split(data=4.0, forward_backward=3.0, bn_window=3.0, validation=6.0)  # 4.8 s before the last of 9
+    v = time_report.verdict(figures, {}, cfg(), "cpu", 2, 0, 9)
+    assert v.startswith("validation-heavy") and "; data-bound" in v and "statistics pass" not in v
+
+
+def test_the_time_line_lists_the_phases_largest_first():
+    report = time_report.Report(split(forward_backward=7.0, data=2.0, save=1.0), "compute-bound: ...")
+    assert report.lines()[0] == (
+        "time: 10.0 s from the first epoch to the final figures: forward and backward 70%, waiting for data 20%, "
+        "saving 10%"
+    )
+
+
+# --- real runs
+
+
+def _trainer(folder: Path, **changes):
+    from yoloaccum.config import settings as config
+    from yoloaccum.training.trainer import Trainer
+
+    settings = {
+        "data": str(shapes_yaml(folder, num_train=48, num_val=8, imgsz=96, seed=5)),
+        "model": "yolo26n.yaml",
+        "imgsz": 96,
+        "batch": 8,
+        "nbs": 16,
+        "epochs": 2,
+        "plots": False,
+        "precise_bn": 0,
+        "project": str(folder),
+        "name": "run",
+        **changes,
+    }
+    return Trainer.from_config(config.resolve(overrides=settings))
+
+
+def test_each_rows_split_adds_up_to_the_wall_time_since_the_last_row(tmp_path):
+    """results.csv's time/ columns against a clock read from outside, by a step just before each row is made."""
+    from yoloaccum.training import epoch_end
+
+    trainer = _trainer(tmp_path, epochs=3, workers=2)
+    clock = []
+    trainer.add_step(lambda end, decided: clock.append(time.perf_counter()) or decided, before=epoch_end.ResultsRow)
+    start = time.perf_counter()
+    trainer.train()
+    with (trainer.parts.run.path / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    walls = [b - a for a, b in zip([start, *clock], clock)]
+    for row, wall in zip(rows, walls, strict=True):
+        split = {k: float(v) for k, v in row.items() if k.startswith("time/")}
+        assert set(split) == {f"time/{p}" for p in PHASES}
+        assert sum(split.values()) == pytest.approx(wall, rel=0.05), (row, wall)
+        assert split["time/forward_backward"] > 0 and split["time/data"] > 0 and split["time/step"] > 0
+    assert float(rows[1]["time/save"]) > 0  # the first epoch's last.pt, written after its row
+    assert float(rows[-1]["time/validation"]) > 0  # the final epoch validates (val=True)
+
+
+def test_a_run_whose_loader_keeps_up_is_not_data_bound(tmp_path):
+    """The shapes set with workers=2 (on the CPU its images load in the training process), as `make train` runs it."""
+    from yoloaccum import train
+
+    data = shapes_yaml(tmp_path, num_train=48, num_val=8, imgsz=96, seed=5)
+    result = train(
+        data=str(data),
+        model="yolo26n.yaml",
+        imgsz=96,
+        batch=8,
+        nbs=16,
+        epochs=1,
+        workers=2,
+        plots=False,
+        project=str(tmp_path),
+        name="run",
+    )
+    assert "data-bound" not in result.verdict, result.verdict
+    training = sum(result.time_split[p] for p in ("data", "to_device", "forward_backward", "step", "other"))
+    assert 0 < result.time_split["data"] < 0.25 * training
+
+
+def test_a_loader_slowed_on_purpose_ends_with_the_data_bound_verdict(tmp_path, monkeypatch):
+    """Every image read sleeps 5 ms (the real pipeline around it), as a slow disk or a starved loader would."""
+    from ultralytics.data.base import BaseDataset
+
+    from yoloaccum import train
+
+    read = BaseDataset.load_image
+
+    def slow_read(self, i, rect_mode=True):
+        time.sleep(0.005)
+        return read(self, i, rect_mode)
+
+    monkeypatch.setattr(BaseDataset, "load_image", slow_read)
+    data = shapes_yaml(tmp_path, num_train=48, num_val=8, imgsz=96, seed=5)
+    result = train(
+        data=str(data),
+        model="yolo26n.yaml",
+        imgsz=96,
+        batch=8,
+        nbs=16,
+        epochs=1,
+        plots=False,
+        project=str(tmp_path),
+        name="run",
+    )
+    assert result.verdict.startswith("data-bound: "), result.verdict
+    assert "cache=ram" in result.verdict and "workers" not in result.verdict  # the CPU: workers would not help
+
+
+# --- host synchronisations
+
+
+SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy"}
+
+
+class CountSyncs(TorchFunctionMode):
+    """Counts what reads a tensor back to the host, where on CUDA each would wait for the device. Reads of the
+    optimizer's step counters are left out: torch keeps them on the host (`step` is a CPU tensor unless the optimizer
+    is capturable or fused), so on CUDA too they wait for nothing."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.optimizer = optimizer
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNCS:
+            on_host = {id(state["step"]) for state in self.optimizer.state.values() if "step" in state}
+            if not (args and id(args[0]) in on_host):
+                self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bn", ["batch", "window"])
+def test_the_hot_path_reads_back_from_the_device_once_per_window(tmp_path, bn):
+    """An epoch of micro-steps and steps through the engine, as the trainer runs it, on the loader's batches (drawn
+    beforehand: the loader's own reads are of host tensors) and without the progress display (it reads the losses
+    every log_every micro-batches): one read-back per window, the step's, whatever the BatchNorm mode."""
+    from yoloaccum.model import build
+
+    trainer = _trainer(tmp_path, bn=bn, batch=4, nbs=16, epochs=1, warmup_epochs=0, workers=0)
+    engine = trainer.parts.engine
+    batches = list(trainer.parts.loader)
+    engine.model.train()
+    build.set_bn_mode(engine.model, trainer.parts.bn, trainer.parts.frozen)
+    with CountSyncs(engine.optimizer) as counted:
+        result = engine.train_epoch(0, batches)
+    windows = len(engine.history)
+    assert result.done == trainer.parts.schedule.batches_per_epoch and windows == 3
+    assert counted.calls == ["tolist"] * windows, counted.calls
