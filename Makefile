@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # torch 2.14.1 + torchvision 0.29.1: the pair that works together on these machines (pip takes them from local disk)
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
+# MLflow for its test alone (tests/test_callbacks.py), in a folder of its own that only that test puts on PYTHONPATH:
+# installed into the venv, Ultralytics' default settings would switch it on for every run there (make train, make bench)
+TRACKERS := $(VENV)/trackers
 
 .PHONY: install train test numerics test-fast lint format clean bench bench-defaults bench-precise-bn bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity pretrain fidelity-finetune
 
@@ -15,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --target $(TRACKERS) --upgrade "mlflow-skinny>=3"
 	touch $(STAMP)
 
 # The embedded default run: shapes (generated on first use), yolo26n at 160 px, batch 8 accumulated to nbs 64.
@@ -56,6 +60,7 @@ bench-ddp: install  # no_sync's step time; validation and cache=ram with 1 and 2
 bench: install  # its duration on 2 CPU cores: docs/performance.md
 	$(BIN)/python benchmarks/defaults.py
 	$(BIN)/python benchmarks/precise_bn.py cost
+	$(BIN)/python benchmarks/time_split.py
 	$(BIN)/python benchmarks/bench.py
 
 bench-defaults: install  # make bench's headline alone: both trainers at their defaults, whole process and per epoch

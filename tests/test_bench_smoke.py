@@ -115,6 +115,26 @@ def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path
     assert all(s > 0 for s in seconds), row
 
 
+def test_time_split_smoke_splits_both_trainers_and_measures_its_own_cost(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "benchmarks/time_split.py", "--smoke"],
+        cwd=REPO,
+        env=scratch_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1] for line in r.stdout.splitlines() if line.startswith("| ")
+    }
+    for trainer in ("yoloaccum", "ultralytics"):
+        forward_backward = float(rows[trainer][4])  # whole process, startup, data, to_device, forward_backward
+        assert forward_backward > 0, rows
+    assert re.search(r"Speed ratio, whole process, median of 1 repeats: \*\*[\d.]+x\*\*", r.stdout), r.stdout
+    assert re.search(r"own cost: .*: [+-][\d.]+% .* The laps' own time: [\d.]+ µs each", r.stdout), r.stdout
+
+
 def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(tmp_path):
     """The fine-tuning study in small: a tiny checkpoint fine-tuned by both trainers, kept under its SHA-256; a
     configuration that resolves as another (b2-window as the default b2 from weights) reuses its runs."""

@@ -24,14 +24,20 @@ from yoloaccum.process.global_settings import backend_kept, kept
 __all__ = ["TrainResult", "plan", "predict", "train", "val"]
 
 
-def train(cfg: str | Path | None = None, **overrides: Any) -> TrainResult:
-    """Train a detector with gradient accumulation, e.g. train(data="coco.yaml", batch=8, nbs=64)."""
+def train(
+    cfg: str | Path | None = None, *, callbacks: Mapping[str, Any] | str | Path | None = None, **overrides: Any
+) -> TrainResult:
+    """Train a detector with gradient accumulation, e.g. train(data="coco.yaml", batch=8, nbs=64).
+
+    `callbacks`: Ultralytics' training events to functions (one or a list each), called on rank 0 with an object that
+    has the attributes of Ultralytics' trainer, e.g. callbacks={"on_fit_epoch_end": lambda t: print(t.metrics)}; or
+    a Python file whose functions are named after the events (docs/callbacks.md)."""
     given = _given(cfg, overrides)
     resolved = config.resolve(overrides=given)  # a mistake answers here, before torch and Ultralytics load
     from yoloaccum.commands import train as train_  # torch and Ultralytics: kept() leaves what importing them sets
 
     with kept():
-        return train_.run(resolved, given)
+        return train_.run(resolved, given, callbacks)
 
 
 def val(cfg: str | Path | None = None, **overrides: Any) -> dict[str, float]:

@@ -50,8 +50,11 @@ def main(
 
 @app.command()
 def train(args: ARGS = None) -> None:
-    """Train a detector with gradient accumulation, e.g. `yoloaccum train data=coco.yaml batch=8 nbs=64`."""
-    api.train(**config.parse_args(args or []))
+    """Train a detector with gradient accumulation, e.g. `yoloaccum train data=coco.yaml batch=8 nbs=64`; add
+    callbacks=file.py to run the functions of that file named after Ultralytics' events (on_fit_epoch_end, ...)."""
+    args = list(args or [])
+    callbacks = _pop(args, "callbacks")
+    api.train(callbacks=callbacks or None, **config.parse_args(args))
 
 
 @app.command()

@@ -14,14 +14,19 @@ from yoloaccum.errors import RanksFailed, UserError
 from yoloaccum.training.runs import next_free
 
 
+def launches_ranks(cfg) -> bool:
+    """Whether train() starts torchrun's ranks as other processes: several devices, and not under torchrun already."""
+    return len(cuda_ids(cfg.device)) > 1 and "WORLD_SIZE" not in os.environ
+
+
 def relaunch_on_several_devices(cfg, given: dict[str, Any]) -> Path | None:
     """`train(device="0,1")` outside torchrun: start torchrun with the same settings, one rank per device, in a run
     folder chosen here; returns it once the ranks have finished. Inside torchrun, or on one device, returns None."""
     from yoloaccum.config.settings import is_auto_batch
 
-    devices = len(cuda_ids(cfg.device))
-    if devices < 2 or "WORLD_SIZE" in os.environ:
+    if not launches_ranks(cfg):
         return None
+    devices = len(cuda_ids(cfg.device))
     if not is_auto_batch(cfg.batch) and cfg.batch % devices:  # checked once here, not in every rank torchrun starts
         raise UserError(f"batch={cfg.batch} does not divide over {devices} devices; use a multiple of {devices}")
     folder = None

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from yoloaccum.commands.launch import relaunch_on_several_devices
+from yoloaccum.commands.launch import launches_ranks, relaunch_on_several_devices
 from yoloaccum.commands.result import TrainResult, result_of_folder
 from yoloaccum.config.settings import Config, dropped_note, resolve
 from yoloaccum.core import schedule as schedule_
@@ -15,13 +15,17 @@ from yoloaccum.distributed import ddp as distributed
 from yoloaccum.distributed import elastic
 from yoloaccum.errors import UserError
 from yoloaccum.model import compiler
+from yoloaccum.training import callbacks as callbacks_
 from yoloaccum.training import resume
 from yoloaccum.training.trainer import Trainer
 
 
-def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
+def run(cfg: Config, given: dict[str, Any], callbacks: Any = None) -> TrainResult:
     """api.train's work: train `cfg`, resolved from the keys `given` (or the run they resume), and say where the
-    weights are. With several devices outside torchrun, torchrun runs the ranks and this process waits."""
+    weights are. With several devices outside torchrun, torchrun runs the ranks and this process waits.
+    `callbacks`: train(callbacks=...)'s, a dict of Ultralytics' events or a Python file (training/callbacks.py)."""
+    source = callbacks if isinstance(callbacks, str | Path) else None
+    callbacks = callbacks_.from_file(source) if source else callbacks_.checked(callbacks)
     ckpt, path = None, None
     if not cfg.resume and (folder := elastic.restarted_run(cfg.project)) is not None:
         given = elastic_continuation(folder, given)
@@ -39,6 +43,13 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
     cfg = cfg.replace(device=distributed.resolve_device(cfg.device))  # empty: the first GPU where there is one
     compiler.check(cfg)
     schedule_.check_precise_bn(cfg)  # before any folder, model or rank: the schedule checks it again, for plan
+    if callbacks and not source and launches_ranks(cfg):
+        raise UserError(
+            f"callbacks= as functions cannot reach the ranks that device={cfg.device} starts, each a new process; "
+            "give them as a file (callbacks=my_callbacks.py), or run your script under torchrun"
+        )
+    if source:
+        given = {**given, "callbacks": str(source)}  # the ranks torchrun starts load the same file
     if (folder := relaunch_on_several_devices(cfg, given)) is not None:  # device=0,1,... outside torchrun
         return result_of_folder(folder)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -46,7 +57,7 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
             print(note, flush=True)
         if note := dropped_note(cfg):
             print(note, flush=True)
-    trainer = Trainer.from_config(cfg, ckpt, path)
+    trainer = Trainer.from_config(cfg, ckpt, path, callbacks)
     try:
         metrics = trainer.train()
         run = trainer.parts.run
@@ -61,6 +72,7 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
                 return report.lines()
 
             run.finish(trainer.parts.evaluator, cfg, time_lines)
+            trainer.events.run("on_train_end")  # after results.png, which the trackers upload
         return TrainResult(
             metrics, run.path if run else None, report.split if report else {}, report.verdict if report else ""
         )
@@ -69,7 +81,10 @@ def run(cfg: Config, given: dict[str, Any]) -> TrainResult:
             trainer.parts.run.discard_if_empty()
         raise
     finally:
-        distributed.cleanup()
+        try:
+            trainer.events.run("teardown")  # as Ultralytics: however the run ended (a tracker closes its run)
+        finally:
+            distributed.cleanup()
 
 
 def elastic_continuation(folder: Path, given: dict[str, Any]) -> dict[str, Any]:

@@ -119,12 +119,14 @@ class Engine:
         should_stop: Callable[[], bool] = lambda: False,
         should_save: Callable[[], bool] = lambda: False,
         on_save: Callable[[int], None] | None = None,
+        before_micro_step: Callable[[int], None] | None = None,
     ) -> EpochResult:
         """The epoch's micro-batches from index `start` on: a micro-step each, an optimizer step at each window end.
 
         Returns early, at a window boundary, when should_stop() is true on any rank or after nan_patience skipped
         windows in a row. When should_save() is true on any rank, every rank calls on_save(micro-batches done) at the
-        window's end, a boundary a run can resume from.
+        window's end, a boundary a run can resume from. before_micro_step(i), when given, is called as batch i's
+        micro-steps are about to run (with bn=window, after its window's statistics pass).
         """
         s, nb, i = self.schedule, self.schedule.batches_per_epoch, start - 1
         numbered = enumerate(batches, start)
@@ -141,6 +143,8 @@ class Engine:
                 self.window_ahead = upcoming
                 self.window_statistics(upcoming)
                 timer.lap("bn_window")
+            if before_micro_step is not None:
+                before_micro_step(i)
             if self.window_batches is not None:
                 self.window_batches.append(batch)
             if last_in_window:  # the window's collectives follow: gradients in backward(), then the counts

@@ -31,6 +31,7 @@ from yoloaccum.model import build as model_
 from yoloaccum.model import checkpoint, compiler
 from yoloaccum.process.memory import frozen_heap
 from yoloaccum.process.signals import GracefulStop, Interrupted
+from yoloaccum.training import callbacks as callbacks_
 from yoloaccum.training import components, epoch_end, faults, state, time_report
 from yoloaccum.training.clock import RunClock
 from yoloaccum.training.parts import Parts
@@ -48,7 +49,7 @@ class Trainer:
     The trainer composes the run's parts (parts.Parts) and its own: the training state, the end-of-epoch steps.
     """
 
-    def __init__(self, parts: Parts, ckpt: dict[str, Any] | None = None):
+    def __init__(self, parts: Parts, ckpt: dict[str, Any] | None = None, callbacks: callbacks_.Callbacks | None = None):
         self.parts = parts
         p = parts
         faults.install(p.engine)  # YOLOACCUM_FAULT, if set: failures injected for failure tests
@@ -69,9 +70,12 @@ class Trainer:
         self.clock = RunClock(None, 0)  # time= and save_minutes=: started with train()
         self.train_start = 0.0
         self.epochs_run = 0  # by this process (the time report's)
+        # Ultralytics' events: one's own callbacks, then the trackers its settings enable; rank 0's alone
+        self.events = callbacks_.Events.for_run(callbacks or {}, parts.ctx.is_main and parts.run is not None)
         self.epoch_end = self._steps()
         if ckpt is not None:
             self._restore(ckpt)
+        self.events.attach(self)
 
     def _steps(self) -> list[epoch_end.Step]:
         """This rank's end-of-epoch steps, in order: the collective ones on every rank, then rank 0's."""
@@ -94,6 +98,8 @@ class Trainer:
         ]
         if p.cfg.save:
             steps.append(epoch_end.Save(p.run.weights, p.cfg.save_period, self.checkpoint))
+        if self.events.callbacks:
+            steps.append(callbacks_.EpochEnded(self.events, saved=p.cfg.save))
         return steps
 
     def add_step(self, step: epoch_end.Step, before: type | None = None) -> None:
@@ -116,15 +122,24 @@ class Trainer:
             self.parts.run.console.print(f"resuming {self.parts.run.path} at epoch {epoch + 1}, micro-batch {batch}")
 
     @classmethod
-    def from_config(cls, cfg: Config, ckpt: dict[str, Any] | None = None, ckpt_path: Path | None = None) -> Trainer:
-        return cls(components.build(cfg, ckpt, ckpt_path), ckpt)
+    def from_config(
+        cls,
+        cfg: Config,
+        ckpt: dict[str, Any] | None = None,
+        ckpt_path: Path | None = None,
+        callbacks: callbacks_.Callbacks | None = None,
+    ) -> Trainer:
+        return cls(components.build(cfg, ckpt, ckpt_path), ckpt, callbacks)
 
     def train(self) -> dict[str, float]:
         """Run the remaining epochs; returns the final metrics (best.pt's, as Ultralytics' final_eval)."""
-        cfg = self.parts.cfg
+        cfg, events = self.parts.cfg, self.events
+        events.run("on_pretrain_routine_start")
         self._announce()
         if cfg.compile:  # before the clock starts: compile time is reported on its own, not in the first epoch's
             self._compile()
+        events.run("on_pretrain_routine_end")
+        events.run("on_train_start")
         self.train_start = time.perf_counter()
         self.parts.engine.timer.restart()  # the time split counts from here (compile time is reported on its own)
         self.clock = RunClock(cfg.time, cfg.save_minutes, is_main=self.parts.ctx.is_main)
@@ -145,6 +160,7 @@ class Trainer:
                 s = self.parts.schedule  # time= re-estimates its epochs after each epoch
                 if cfg.close_mosaic and epoch >= s.epochs - cfg.close_mosaic and not self.state.mosaic_closed:
                     self._close_mosaic()
+                events.run("on_train_epoch_start", epoch)
                 result, images_per_second = self.train_epoch(epoch, start, should_stop)
                 ended = None
                 if result.done < s.batches_per_epoch:  # stopped inside the epoch, at a window boundary
@@ -153,6 +169,7 @@ class Trainer:
                     self.parts.loss.end_epoch()
                     if cfg.time:  # before the epoch's end steps, which ask whether it was the last
                         self._fit_epochs_to_time(epoch + 1, epoch + 1 - first_epoch)
+                    events.run("on_train_epoch_end", epoch)  # as Ultralytics: before validation
                     ended = self.end_epoch(epoch, images_per_second)
                     # A signal after the epoch's last window (during validation, say) stops here, last.pt just saved,
                     # rather than after one more window.
@@ -219,6 +236,12 @@ class Trainer:
             self.precise_bn.num_images,
             self.parts.batch_choice,
         )
+        if trackers := self.events.trackers:
+            names = ", ".join(trackers)
+            off = " ".join(f"{t}=False" for t in trackers)
+            self.parts.run.console.print(
+                f"trackers: {names}, as Ultralytics' settings switch them on (`yolo settings {off}` switches them off)"
+            )
         pool = self.parts.train_set.max_buffer_length
         theirs = min(len(self.parts.train_set), s.micro_batch * 8, 1000)  # Ultralytics' sizing, by the micro-batch
         if cfg.mosaic and cfg.mosaic_buffer == "window" and pool > theirs:
@@ -288,8 +311,12 @@ class Trainer:
             split=self.parts.engine.timer.current,
         )
 
+        batch_ended = "on_train_batch_end" in self.events
+
         def on_micro_step(i, items, images, fill, accumulate, lr):
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
+            if batch_ended:
+                self.events.run("on_train_batch_end")
             if s.steps_after(ni := epoch * s.batches_per_epoch + i):
                 progress.end_window(skipped=ni in self.parts.engine.skipped[-1:])
                 self.state.position = (epoch, i + 1)  # a window boundary: where a resume would continue
@@ -308,6 +335,7 @@ class Trainer:
             batches = multiscale.resized(
                 batches, cfg.imgsz, cfg.multi_scale, cfg.seed, epoch, start, self.parts.ctx.device
             )
+        batch_starts = "on_train_batch_start" in self.events
         started = time.perf_counter()
         try:
             result = self.parts.engine.train_epoch(
@@ -318,6 +346,7 @@ class Trainer:
                 should_stop,
                 should_save=self.clock.save_due,
                 on_save=lambda done: self._save_now(epoch, done),
+                before_micro_step=(lambda i: self.events.run("on_train_batch_start")) if batch_starts else None,
             )
         finally:
             progress.close()
@@ -368,6 +397,7 @@ class Trainer:
         if p.run is not None:
             show_metrics(p.run.console, metrics, title)
         p.engine.timer.lap("validation")
+        self.events.after_fitting(metrics, p.schedule.epochs)  # as Ultralytics' final_eval: one epoch past the last
         return metrics
 
     def _elapsed(self) -> float:
