@@ -287,7 +287,7 @@ MUTATIONS = [
     (
         "norm.py: the running statistics take the window's biased variance",
         "yoloaccum/batchnorm/window.py",
-        "            unbiased = var * count / (count - 1) if count[0] > 1 else var",
+        "            unbiased = var * count / (count - 1) if self._count > 1 else var",
         "            unbiased = var",
         "tests/test_norm.py::test_the_running_statistics_take_one_step_per_window_as_a_real_batch_does",
     ),

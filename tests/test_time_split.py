@@ -96,14 +96,17 @@ def test_the_statistics_pass_names_the_cheaper_modes_it_does_not_use_yet():
     assert "bn_window=16" not in time_report.verdict(figures, {}, cfg(bn_window=16), "cpu", 2, 0, 3)
 
 
-def test_launch_bound_where_the_host_takes_as_long_to_launch_as_the_gpu_to_run():
+def test_no_launch_verdict_on_cuda_until_a_gpu_calibrates_it_but_both_clocks_are_shown():
+    """The host's forward-and-backward time holds the loss's read-backs, so host and device agree on CUDA whether or
+    not the GPU waited for launches: no verdict is drawn from them (time_report's docstring), the figures are shown."""
     device, host = split(forward_backward=8.0, step=2.0), {"forward_backward": 7.6}
-    v = time_report.verdict(device, host, cfg(), "cuda", 2, 8, 3)
-    assert v.startswith("launch-bound: at micro-batch 2") and "compile=True" in v
-    assert "compile=True" not in time_report.verdict(device, host, cfg(compile=True), "cuda", 2, 8, 3)
-    busy = time_report.verdict(device, {"forward_backward": 2.0}, cfg(), "cuda", 2, 8, 3)
-    assert busy.startswith("compute-bound")
-    assert time_report.verdict(device, host, cfg(), "cpu", 2, 0, 3).startswith("compute-bound")  # the CPU: no launches
+    assert time_report.verdict(device, host, cfg(), "cuda", 2, 8, 3).startswith("compute-bound")
+    report = time_report.Report.of(device, host, cfg(), torch.device("cuda", 0), 2, 8, 3)
+    assert report.lines()[2] == (
+        "on the GPU, forward and backward took 8.0 s; the host spent 7.6 s launching them and waiting where the "
+        "loss reads values back"
+    )
+    assert len(time_report.Report.of(device, host, cfg(), torch.device("cpu"), 2, 0, 3).lines()) == 2
 
 
 def test_two_findings_at_most_the_larger_first():
@@ -168,14 +171,14 @@ def test_a_run_whose_loader_keeps_up_is_not_data_bound(tmp_path):
     """The shapes set with workers=2 (on the CPU its images load in the training process), as `make train` runs it."""
     from yoloaccum import train
 
-    data = shapes_yaml(tmp_path, num_train=48, num_val=8, imgsz=96, seed=5)
+    data = shapes_yaml(tmp_path, num_train=64, num_val=8, imgsz=160, seed=5)
     result = train(
         data=str(data),
         model="yolo26n.yaml",
-        imgsz=96,
+        imgsz=160,
         batch=8,
         nbs=16,
-        epochs=1,
+        epochs=2,
         workers=2,
         plots=False,
         project=str(tmp_path),

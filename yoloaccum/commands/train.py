@@ -4,6 +4,7 @@ say where its weights are."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def run(cfg: Config, given: dict[str, Any], callbacks: Any = None) -> TrainResul
                 return report.lines()
 
             run.finish(trainer.parts.evaluator, cfg, time_lines)
-            trainer.events.run("on_train_end")  # after results.png, which the trackers upload
+            trainer.events.at_the_end()  # after results.png, which the trackers upload
         return TrainResult(
             metrics, run.path if run else None, report.split if report else {}, report.verdict if report else ""
         )
@@ -82,9 +83,21 @@ def run(cfg: Config, given: dict[str, Any], callbacks: Any = None) -> TrainResul
         raise
     finally:
         try:
-            trainer.events.run("teardown")  # as Ultralytics: however the run ended (a tracker closes its run)
+            teardown(trainer)
         finally:
             distributed.cleanup()
+
+
+def teardown(trainer: Trainer) -> None:
+    """The teardown event, however the run ended (a tracker closes its run there). A teardown that fails while the run
+    is failing already says so in a line, and the run's own error goes on."""
+    failing = sys.exc_info()[1] is not None
+    try:
+        trainer.events.run("teardown")
+    except Exception as e:
+        if not failing:
+            raise
+        print(f"warning: a teardown callback failed too: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 def elastic_continuation(folder: Path, given: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ which writes what Ultralytics' writes and each optimizer step's schedule besides
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -100,20 +101,24 @@ class RunView:
     """The run as Ultralytics' callbacks see a trainer. Read live from the yoloaccum trainer; `epoch` is the epoch in
     progress, from 0 (after the run, Ultralytics' final validation is reported at `epochs`, one past the last)."""
 
-    def __init__(self, trainer: Any):
-        self._trainer = trainer
+    def __init__(self, trainer: Any, events: Events):
+        self._trainer, self._events = trainer, events
         p = trainer.parts
         from yoloaccum.config.ultra import ultralytics_args
 
-        self.args = ultralytics_args(p.cfg, mode="train", plots=p.cfg.plots, save=p.cfg.save)
         self.save_dir = Path(p.run.path) if p.run else Path(p.cfg.project) / p.cfg.name
+        # as Ultralytics' trainer sets them: the run folder's name (exp2, ...) names the trackers' run
+        args = {"mode": "train", "plots": p.cfg.plots, "save": p.cfg.save, "name": self.save_dir.name}
+        self.args = ultralytics_args(p.cfg, **args, project=str(self.save_dir.parent))
         self.wdir = self.save_dir / "weights"
         self.best, self.last = self.wdir / "best.pt", self.wdir / "last.pt"
         self.csv = self.save_dir / "results.csv"
         self.epoch = trainer.state.position[0]
         self.start_epoch = self.epoch
-        self.plots: dict[Path, dict[str, Any]] = {}
-        self.stop = False
+        self.plots: dict[Path, dict[str, Any]] = {}  # the run's pictures, for the trackers that upload them
+        self.stop = False  # set by a callback: the run ends after this epoch's end steps
+        self.epoch_time = 0.0  # seconds of the last epoch, its end steps included
+        self.train_time_start = 0.0
         self._row: Mapping[str, float] = {}  # the last results.csv row
         self._final: dict[str, float] | None = None  # the final validation's figures, once training is over
 
@@ -126,6 +131,21 @@ class RunView:
     @property
     def epochs(self) -> int:
         return self._trainer.parts.schedule.epochs
+
+    def add_callback(self, event: str, callback: Callable[[Any], Any]) -> None:
+        """Ultralytics' trainer.add_callback: W&B's integration adds its own at its start."""
+        self._events.add(event, callback)
+
+    def run_callbacks(self, event: str) -> None:
+        self._events.run(event)
+
+    @property
+    def train_loader(self):
+        return self._trainer.parts.loader
+
+    @property
+    def test_loader(self):
+        return self._trainer.parts.evaluator.validator.dataloader
 
     @property
     def model(self):
@@ -242,25 +262,45 @@ class Events:
 
     def attach(self, trainer: Any) -> None:
         if self.callbacks:
-            self.view = RunView(trainer)
+            self.view = RunView(trainer, self)
+
+    def add(self, event: str, callback: Callable[[Any], Any]) -> None:
+        if event not in EVENTS:
+            raise UserError(
+                f"add_callback: unknown event {event!r}; Ultralytics' training events are: {', '.join(EVENTS)}"
+            )
+        self.callbacks.setdefault(event, []).append(callback)
+
+    @property
+    def stop_requested(self) -> bool:
+        """A callback set trainer.stop (rank 0's; the trainer makes it every rank's decision)."""
+        return self.view is not None and bool(self.view.stop)
 
     def __contains__(self, event: str) -> bool:
         return event in self.callbacks
 
     def run(self, event: str, epoch: int | None = None) -> None:
         """Every callback of `event`, in the order added, with the view (its `epoch` first set to `epoch`)."""
-        if event not in self.callbacks:
-            return
-        if epoch is not None:
+        if self.view is not None and epoch is not None:
             self.view.epoch = epoch
-        for f in self.callbacks[event]:
+        for f in list(self.callbacks.get(event, ())):
             f(self.view)
 
-    def after_fitting(self, metrics: Mapping[str, float], epochs: int) -> None:
-        """on_fit_epoch_end once more, as Ultralytics' final_eval calls it: the final figures, at epoch `epochs`."""
+    def after_fitting(self, metrics: Mapping[str, float], last_epoch: int) -> None:
+        """on_fit_epoch_end once more, as Ultralytics' final_eval calls it when best.pt exists: the final figures
+        (best.pt's), at one past the last epoch trained, which `epoch` is set back to afterwards."""
+        if self.view is None or not self.view.best.exists():
+            return
+        self.view._final = {k: v for k, v in metrics.items() if k != "fitness"}
+        self.run("on_fit_epoch_end", last_epoch + 1)
+        self.view.epoch = last_epoch
+
+    def at_the_end(self) -> None:
+        """on_train_end, with the run's pictures registered as Ultralytics' trainer registers its plots."""
         if self.view is not None:
-            self.view._final = {k: v for k, v in metrics.items() if k != "fitness"}
-        self.run("on_fit_epoch_end", epochs)
+            pictures = sorted(self.view.save_dir.glob("*.png")) + sorted(self.view.save_dir.glob("*.jpg"))
+            self.view.plots.update({p: {"data": None, "timestamp": p.stat().st_mtime} for p in pictures})
+        self.run("on_train_end")
 
 
 class EpochEnded:
@@ -270,13 +310,19 @@ class EpochEnded:
 
     def __init__(self, events: Events, saved: bool):
         self.events, self.saved = events, saved
+        self.elapsed: list[float] = []  # each epoch's seconds so far
 
     def __call__(self, end, decided):
-        if self.events.view is not None:
-            self.events.view._row = decided.row
+        view = self.events.view
+        if view is not None:
+            view._row = decided.row
+            view.epoch_time = end.elapsed - view.train_time_start - sum(self.elapsed)
+            self.elapsed.append(view.epoch_time)
         if self.saved:
             self.events.run("on_model_save", end.epoch)
         self.events.run("on_fit_epoch_end", end.epoch)
+        if self.events.stop_requested and decided.stop is None and not end.final:
+            return dataclasses.replace(decided, stop="callback")
         return decided
 
 

@@ -316,7 +316,7 @@ class Trainer:
         def on_micro_step(i, items, images, fill, accumulate, lr):
             progress.update(i, items, images, fill, accumulate, s.batch * accumulate, lr)
             if batch_ended:
-                self.events.run("on_train_batch_end")
+                self.events.run("on_train_batch_end", epoch)
             if s.steps_after(ni := epoch * s.batches_per_epoch + i):
                 progress.end_window(skipped=ni in self.parts.engine.skipped[-1:])
                 self.state.position = (epoch, i + 1)  # a window boundary: where a resume would continue
@@ -346,7 +346,7 @@ class Trainer:
                 should_stop,
                 should_save=self.clock.save_due,
                 on_save=lambda done: self._save_now(epoch, done),
-                before_micro_step=(lambda i: self.events.run("on_train_batch_start")) if batch_starts else None,
+                before_micro_step=(lambda i: self.events.run("on_train_batch_start", epoch)) if batch_starts else None,
             )
         finally:
             progress.close()
@@ -397,7 +397,7 @@ class Trainer:
         if p.run is not None:
             show_metrics(p.run.console, metrics, title)
         p.engine.timer.lap("validation")
-        self.events.after_fitting(metrics, p.schedule.epochs)  # as Ultralytics' final_eval: one epoch past the last
+        self.events.after_fitting(metrics, self.state.position[0] - 1)  # as Ultralytics' final_eval
         return metrics
 
     def _elapsed(self) -> float:
