@@ -43,9 +43,18 @@ def test_a_callback_written_for_ultralytics_sees_the_run_as_its_trainer(data, tm
         row = trainer.label_loss_items(trainer.tloss, prefix="train")
         seen.append((trainer.epoch, dict(trainer.metrics), trainer.save_dir, trainer.best.exists(), row, trainer.lr))
 
+    batches = []
+    ended = []
+
+    def add_one(trainer):  # as W&B's integration adds its own at its start
+        trainer.add_callback("on_train_end", lambda t: ended.append((t.epoch, sorted(p.name for p in t.plots))))
+
     callbacks = {event: record(event) for event in EVENTS}
     callbacks["on_fit_epoch_end"] = [record("on_fit_epoch_end"), on_fit_epoch_end]
-    result = train(data=str(data), **SMALL, project=str(tmp_path), name="run", callbacks=callbacks)
+    callbacks["on_train_batch_end"] = [record("on_train_batch_end"), lambda t: batches.append(t.epoch)]
+    callbacks["on_pretrain_routine_end"] = [record("on_pretrain_routine_end"), add_one]
+    settings = {**SMALL, "plots": True}
+    result = train(data=str(data), **settings, project=str(tmp_path), name="run", callbacks=callbacks)
 
     per_epoch = [
         "on_train_epoch_start",
@@ -67,6 +76,20 @@ def test_a_callback_written_for_ultralytics_sees_the_run_as_its_trainer(data, tm
         assert lr["lr/pg0"] == pytest.approx(float(row["lr/pg0"]), rel=1e-4)
     final_epoch, final, *_ = seen[2]
     assert final_epoch == 2 and final == {k: v for k, v in result.metrics.items() if k != "fitness"}
+    assert batches == [0] * 4 + [1] * 4  # each batch event sees its epoch
+    (at_end,) = ended
+    assert at_end[0] == 1 and "results.png" in at_end[1] and "labels.jpg" in at_end[1]  # epoch set back; pictures
+
+
+def test_a_callback_that_sets_stop_ends_the_run_after_that_epoch_with_its_final_figures(data, tmp_path):
+    def enough(trainer):
+        trainer.stop = trainer.epoch == 0
+
+    settings = {**SMALL, "epochs": 4}
+    result = train(
+        data=str(data), **settings, project=str(tmp_path), name="run", callbacks={"on_fit_epoch_end": enough}
+    )
+    assert len(rows(result.save_dir)) == 1 and result.metrics and result.best is not None
 
 
 def test_a_callback_that_raises_ends_the_run_with_the_last_save_kept(data, tmp_path):
