@@ -44,6 +44,7 @@ def run(cfg: Config, given: dict[str, Any], callbacks: Any = None) -> TrainResul
     cfg = cfg.replace(device=distributed.resolve_device(cfg.device))  # empty: the first GPU where there is one
     compiler.check(cfg)
     schedule_.check_precise_bn(cfg)  # before any folder, model or rank: the schedule checks it again, for plan
+    schedule_.check_bn_adapt(cfg)
     if callbacks and not source and launches_ranks(cfg):
         raise UserError(
             f"callbacks= as functions cannot reach the ranks that device={cfg.device} starts, each a new process; "

@@ -48,6 +48,7 @@ class Keys:
     log_every: int
     norm: str
     bn: str
+    bn_adapt: int
     bn_window: int
     precise_bn: int | str
     precise_bn_aug: bool

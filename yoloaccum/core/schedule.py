@@ -341,6 +341,16 @@ def check_precise_bn(cfg: Config) -> None:
         )
 
 
+def check_bn_adapt(cfg: Config) -> None:
+    """bn_adapt= adapts the statistics bn=frozen keeps: any other mode recomputes them as it trains, so it is refused
+    there (a resumed run's check: resume.load)."""
+    if cfg.bn_adapt and cfg.bn != "frozen":
+        raise UserError(
+            f"bn_adapt={cfg.bn_adapt} adapts the running statistics that bn=frozen keeps; with bn={cfg.bn} they train "
+            "anyway: add bn=frozen, or remove bn_adapt="
+        )
+
+
 def check_batch(batch: int | float) -> None:
     """A schedule needs the micro-batch in images: train and plan resolve batch=-1 or a fraction first (autobatch)."""
     assert not is_auto_batch(batch), f"batch={batch} reached the schedule unresolved; autobatch.choose() resolves it"

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from yoloaccum.batchnorm import precise as precise_bn
 from yoloaccum.config.settings import Config
 from yoloaccum.core import schedule as schedule_
 from yoloaccum.core.schedule import PRECISE_BN_FROM_WEIGHTS_WHY, bn_auto_reason, precise_bn_count
 from yoloaccum.core.window import EpochResult, StepRecord
+from yoloaccum.data import datasets as data
 from yoloaccum.data import multiscale
 from yoloaccum.distributed import ddp as distributed
 from yoloaccum.errors import Diverged
@@ -142,6 +144,8 @@ class Trainer:
         events.run("on_train_start")
         self.train_start = time.perf_counter()
         self.parts.engine.timer.restart()  # the time split counts from here (compile time is reported on its own)
+        if cfg.bn_adapt and self.state.position == (0, 0):  # a resumed run has them in last.pt already
+            self.adapt_batchnorm()
         self.clock = RunClock(cfg.time, cfg.save_minutes, is_main=self.parts.ctx.is_main)
         p = self.parts
         bounded = distributed.bounded(p.ctx, lambda: p.engine.ni, cfg.ddp_timeout)  # a hung rank: named
@@ -272,6 +276,8 @@ class Trainer:
             )
         elif self.parts.bn == "frozen":
             start = "as loaded" if cfg.from_weights else "as initialised (mean 0, variance 1)"
+            if cfg.bn_adapt:
+                start = f"adapted to this data over {cfg.bn_adapt} training images before the first step"
             trained = "its weight and bias train" + (" (outside freeze=)" if self.parts.frozen else "")
             auto = cfg.precise_bn == "auto"
             kept = "; precise_bn=auto recomputes none, as its weights train against them" if auto else ""
@@ -281,6 +287,24 @@ class Trainer:
             )
         if cfg.precise_bn == "auto" and cfg.from_weights and self.parts.bn != "frozen":
             self.parts.run.console.print(PRECISE_BN_FROM_WEIGHTS_WHY)
+
+    def adapt_batchnorm(self) -> None:
+        """bn_adapt=N (with bn=frozen): every BatchNorm's running statistics outside freeze= recomputed over N
+        training images before the first step (precise BatchNorm's machinery and images: drawn from the seed alone,
+        each rank its share, summed over the ranks), then kept by bn=frozen; the EMA takes them too. Adaptive
+        BatchNorm (Li et al., 2016): the weights then train against the statistics they will be validated with."""
+        p, start = self.parts, time.perf_counter()
+        images = data.precise_bn_images(p.cfg, p.spec, p.cfg.bn_adapt, p.ctx.rank, p.ctx.world_size)
+        precise_bn.recompute_images(p.raw_model, images, p.ctx, frozen=p.frozen)
+        for mine, theirs in zip(precise_bn.bn_layers(p.ema.ema, p.frozen), precise_bn.bn_layers(p.raw_model, p.frozen)):
+            mine.running_mean.copy_(theirs.running_mean)
+            mine.running_var.copy_(theirs.running_var)
+        p.engine.timer.lap("precise_bn")
+        if p.run is not None:
+            p.run.console.print(
+                f"BatchNorm: running statistics adapted to this data over {p.cfg.bn_adapt} training images "
+                f"({len(images) * p.ctx.world_size} drawn) in {time.perf_counter() - start:.1f} s; bn=frozen keeps them"
+            )
 
     def _compile(self) -> None:
         say = self.parts.run.console.print if self.parts.run else (lambda message: None)
