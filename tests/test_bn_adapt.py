@@ -4,7 +4,6 @@ recomputed by a resumed run (which ends bitwise where the uninterrupted one does
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from conftest import PLUMBING, REPO, SERIAL, final_weights, offline_env, relativ
 
 from yoloaccum.batchnorm import precise as precise_bn
 from yoloaccum.config import settings as config
+from yoloaccum.core.buffers import Kept
 from yoloaccum.data import datasets as data_
 from yoloaccum.model import checkpoint
 from yoloaccum.training.trainer import Trainer
@@ -40,15 +40,15 @@ def statistics(model: torch.nn.Module) -> list[torch.Tensor]:
 def test_the_adapted_statistics_are_a_precise_bn_recompute_over_the_same_images_and_reach_the_ema(data, tmp_path):
     t = trainer(data, tmp_path)
     p = t.parts
-    reference = copy.deepcopy(p.raw_model)
-    images = data_.precise_bn_images(p.cfg, p.spec, 16, 0, 1)
-    precise_bn.recompute_images(reference, images, p.ctx)
-    before = statistics(p.raw_model)
+    before = Kept(p.raw_model)
     t.adapt_batchnorm()
-    after = statistics(p.raw_model)
-    assert all(torch.equal(a, b) for a, b in zip(after, statistics(reference), strict=True))  # bitwise
-    assert all(torch.equal(a, b) for a, b in zip(statistics(p.ema.ema), after, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(before, after))  # initialised statistics: 0 and 1
+    adapted = statistics(p.raw_model)
+    assert all(torch.equal(a, b) for a, b in zip(statistics(p.ema.ema), adapted, strict=True))
+    before.put_back()  # the statistics as built, then precise BatchNorm's recompute over the same images
+    initial = statistics(p.raw_model)
+    precise_bn.recompute_images(p.raw_model, data_.precise_bn_images(p.cfg, p.spec, 16, 0, 1), p.ctx)
+    assert all(torch.equal(a, b) for a, b in zip(adapted, statistics(p.raw_model), strict=True))  # bitwise
+    assert not all(torch.equal(a, b) for a, b in zip(initial, adapted))  # initialised statistics: 0 and 1
 
 
 def test_freezes_layers_keep_their_statistics_bitwise(data, tmp_path):
@@ -74,12 +74,12 @@ def test_a_run_resumed_after_the_adaptation_ends_bitwise_and_does_not_adapt_agai
     common = ("train", f"data={data}", *RUN, "bn_adapt=16", f"project={tmp_path}")
     r = run_cli(*common, "name=full", env=SERIAL, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("running statistics adapted to this data over 16 training images") == 1
+    assert r.stdout.count("BatchNorm: running statistics adapted to this data over 16 training images (") == 1
     r = run_cli(*common, "name=sig", env={**SERIAL, "YOLOACCUM_FAULT": "sigint@8"}, timeout=600)
     assert r.returncode == 130, r.stderr[-2000:]
     r = run_cli("train", f"resume={tmp_path / 'sig/weights/last.pt'}", env=SERIAL, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "adapted to this data" not in r.stdout.split("resuming")[1]  # kept from last.pt, not recomputed
+    assert "BatchNorm: running statistics adapted" not in r.stdout  # kept from last.pt, not recomputed
     assert relative_difference(final_weights(tmp_path / "sig"), final_weights(tmp_path / "full")) == 0.0
     shipped = checkpoint.load(tmp_path / "full/weights/last.pt")["yoloaccum"]["model"]
     assert any(k.endswith("running_var") and not torch.all(v == 1) for k, v in shipped.items())
