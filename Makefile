@@ -5,9 +5,11 @@ BIN := $(VENV)/bin
 # torch 2.14.1 + torchvision 0.29.1: the pair that works together on these machines (pip takes them from local disk)
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
-# MLflow for its test alone (tests/test_callbacks.py), in a folder of its own that only that test puts on PYTHONPATH:
-# installed into the venv, Ultralytics' default settings would switch it on for every run there (make train, make bench)
+# MLflow and DVCLive for their tests alone (tests/test_callbacks.py), each in a folder of its own that only its test
+# puts on PYTHONPATH: installed into the venv, Ultralytics' default settings would switch them on for every run there
+# (make train, make bench)
 TRACKERS := $(VENV)/trackers
+TRACKERS_DVCLIVE := $(VENV)/trackers-dvclive
 
 .PHONY: install train test numerics test-fast lint format clean bench bench-defaults bench-precise-bn bench-ddp bench-smoke bench-compile bench-bn bench-startup fidelity pretrain fidelity-finetune
 
@@ -19,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --target $(TRACKERS) --upgrade "mlflow-skinny>=3"
+	$(BIN)/pip install -q --target $(TRACKERS_DVCLIVE) --upgrade "dvclive>=3"
 	touch $(STAMP)
 
 # The embedded default run: shapes (generated on first use), yolo26n at 160 px, batch 8 accumulated to nbs 64.

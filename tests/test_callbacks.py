@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,40 @@ def test_mlflow_logs_a_run_to_its_local_file_store(data, tmp_path):
     assert str(len(table)) in metrics["metrics/mAP50-95B"]  # the final figures, one past the last epoch
     assert logged["weights"] == ["weights/best.pt", "weights/last.pt"]
     assert {"results.csv", "args.yaml"} <= set(logged["files"])
+
+
+DVCLIVE = REPO / ".venv/trackers-dvclive"  # make install puts dvclive there (Makefile: TRACKERS_DVCLIVE)
+
+
+@pytest.mark.skipif(not (DVCLIVE / "dvclive").is_dir(), reason="needs DVCLive in .venv/trackers-dvclive (make install)")
+def test_dvclive_logs_a_run_to_its_folder(data, tmp_path):
+    """A second tracker that writes locally: Ultralytics' DVCLive integration (its setting is on by default) logs
+    yoloaccum's run into ./dvclive, a metrics file per metric with a row per epoch, which match results.csv. Its
+    integration logs nothing where it sees pytest, so the run's environment leaves pytest's variable out."""
+    env = {k: v for k, v in offline_env().items() if k != "PYTEST_CURRENT_TEST"}
+    env["PYTHONPATH"] = os.pathsep.join([str(OFFLINE), str(DVCLIVE)])  # the network guard stays first
+    settings = [f"{k}={v}" for k, v in SMALL.items()]
+    command = [sys.executable, "-m", "yoloaccum", "train", f"data={data}", *settings, f"project={tmp_path}", "name=run"]
+    r = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "trackers: dvc, as Ultralytics' settings switch them on" in r.stdout
+    logged = tmp_path / "dvclive/plots/metrics"
+
+    def series(name: str) -> dict[int, float]:
+        with (logged / f"{name}.tsv").open() as f:
+            return {int(row["step"]): float(row[Path(name).name]) for row in csv.DictReader(f, delimiter="\t")}
+
+    table = rows(tmp_path / "run")
+    maps, losses, accumulate = series("metrics/mAP50-95(B)"), series("train/box_loss"), series("accumulate")
+    assert sorted(maps) == list(range(len(table)))  # a row per epoch
+    for epoch, row in enumerate(table):
+        assert maps[epoch] == pytest.approx(float(row["metrics/mAP50-95(B)"]), abs=1e-5)
+        assert losses[epoch] == pytest.approx(float(row["train/box_loss"]), rel=1e-4)
+        assert accumulate[epoch] == float(row["accumulate"])  # yoloaccum's own columns too
+    params = (tmp_path / "dvclive/params.yaml").read_text()
+    assert "batch: 4" in params and "nbs: 8" in params
+    final = json.loads((tmp_path / "dvclive/metrics.json").read_text())["metrics"]  # on_train_end: best.pt's figures
+    shown = re.search(r"final figures: .* validated: .*mAP50-95 ([\d.]+)", r.stdout)
+    assert shown and final["mAP50-95(B)"] == pytest.approx(float(shown[1]), abs=1e-3)
+    # DVCLive keeps artifacts (best.pt) only inside a DVC repository: there it says so and skips them
+    assert not (tmp_path / "dvclive/artifacts").exists()
