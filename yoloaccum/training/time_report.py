@@ -143,10 +143,6 @@ def _data_advice(cfg: Config, device: str, workers: int) -> str:
             tries.append(f"workers={min(cores, max(2 * workers, 2))} (it had {workers})")
     if cfg.cache not in ("ram", True):
         tries.append("cache=ram (each image decoded once)")
-    tries.append(f"a smaller imgsz (it trained at {cfg.imgsz})")
-    where = (
-        " (on the CPU the data loads in the training process, on the cores torch computes on)"
-        if device == "cpu"
-        else ""
-    )
-    return "try " + ", ".join(tries) + where
+    tries.append(f"an imgsz below {cfg.imgsz}")
+    where = "; on the CPU the data loads in the training process, beside torch's threads" if device == "cpu" else ""
+    return "try " + ", ".join(tries[:-1]) + (" or " if len(tries) > 1 else "") + tries[-1] + where
