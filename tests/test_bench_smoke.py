@@ -100,9 +100,10 @@ def test_small_benchmarks_run(script, expect, tmp_path):
         assert re.search(r"bn=frozen [\d.]+ img/s \([\d.]+x: no pass\)", r.stdout), r.stdout
 
 
-def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path):
+def smoke(script: str, tmp_path) -> subprocess.CompletedProcess:
+    """`python benchmarks/SCRIPT --smoke`, which must succeed."""
     r = subprocess.run(
-        [sys.executable, "benchmarks/defaults.py", "--smoke"],
+        [sys.executable, f"benchmarks/{script}", "--smoke"],
         cwd=REPO,
         env=scratch_env(tmp_path),
         capture_output=True,
@@ -110,21 +111,18 @@ def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def test_defaults_smoke_times_both_trainers_whole_process_and_per_epoch(tmp_path):
+    r = smoke("defaults.py", tmp_path)
     row = next(line for line in r.stdout.splitlines() if line.startswith("| smoke |")).split("|")
     seconds = [float(cell.strip().removesuffix("s")) for cell in (row[3], row[4], row[6], row[7])]
     assert all(s > 0 for s in seconds), row
 
 
 def test_time_split_smoke_splits_both_trainers_and_measures_its_own_cost(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "benchmarks/time_split.py", "--smoke"],
-        cwd=REPO,
-        env=scratch_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = smoke("time_split.py", tmp_path)
     rows = {
         line.split("|")[1].strip(): line.split("|")[2:-1] for line in r.stdout.splitlines() if line.startswith("| ")
     }

@@ -170,23 +170,18 @@ def test_each_rows_split_adds_up_to_the_wall_time_since_the_last_row(tmp_path):
     assert float(rows[-1]["time/validation"]) > 0  # the final epoch validates (val=True)
 
 
-def test_a_run_whose_loader_keeps_up_is_not_data_bound(tmp_path):
-    """The shapes set with workers=2 (on the CPU its images load in the training process), as `make train` runs it."""
+def shapes_run(folder: Path, images: int, imgsz: int, **settings):
+    """train() of yolo26n on a shapes set of `images` at `imgsz`, micro-batch 8, nbs 16, through the API."""
     from yoloaccum import train
 
-    data = shapes_yaml(tmp_path, num_train=64, num_val=8, imgsz=160, seed=5)
-    result = train(
-        data=str(data),
-        model="yolo26n.yaml",
-        imgsz=160,
-        batch=8,
-        nbs=16,
-        epochs=2,
-        workers=2,
-        plots=False,
-        project=str(tmp_path),
-        name="run",
-    )
+    data = shapes_yaml(folder, num_train=images, num_val=8, imgsz=imgsz, seed=5)
+    common = {"model": "yolo26n.yaml", "imgsz": imgsz, "batch": 8, "nbs": 16, "plots": False, "name": "run"}
+    return train(data=str(data), project=str(folder), **common, **settings)
+
+
+def test_a_run_whose_loader_keeps_up_is_not_data_bound(tmp_path):
+    """The shapes set with workers=2 (on the CPU its images load in the training process), as `make train` runs it."""
+    result = shapes_run(tmp_path, 64, 160, epochs=2, workers=2)
     assert "data-bound" not in result.verdict, result.verdict
     training = sum(result.time_split[p] for p in ("data", "to_device", "forward_backward", "step", "other"))
     assert 0 < result.time_split["data"] < 0.25 * training
@@ -196,8 +191,6 @@ def test_a_loader_slowed_on_purpose_ends_with_the_data_bound_verdict(tmp_path, m
     """Every image read sleeps 5 ms (the real pipeline around it), as a slow disk or a starved loader would."""
     from ultralytics.data.base import BaseDataset
 
-    from yoloaccum import train
-
     read = BaseDataset.load_image
 
     def slow_read(self, i, rect_mode=True):
@@ -205,18 +198,7 @@ def test_a_loader_slowed_on_purpose_ends_with_the_data_bound_verdict(tmp_path, m
         return read(self, i, rect_mode)
 
     monkeypatch.setattr(BaseDataset, "load_image", slow_read)
-    data = shapes_yaml(tmp_path, num_train=48, num_val=8, imgsz=96, seed=5)
-    result = train(
-        data=str(data),
-        model="yolo26n.yaml",
-        imgsz=96,
-        batch=8,
-        nbs=16,
-        epochs=1,
-        plots=False,
-        project=str(tmp_path),
-        name="run",
-    )
+    result = shapes_run(tmp_path, 48, 96, epochs=1)
     assert result.verdict.startswith("data-bound: "), result.verdict
     assert "cache=ram" in result.verdict and "workers" not in result.verdict  # the CPU: workers would not help
 
