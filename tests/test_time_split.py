@@ -61,60 +61,60 @@ def test_a_timer_that_is_off_measures_nothing():
 
 
 def test_a_run_that_waits_for_its_loader_is_data_bound_with_what_it_does_not_do_yet(monkeypatch):
-    v = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(), "cpu", 8, 0, 3)
+    v = time_report.verdict(split(data=3.0, forward_backward=7.0), cfg(), "cpu", 0, 3)
     assert v.startswith("data-bound: 30% of training waited for the loader")
     assert v.endswith(
         "try cache=ram (each image decoded once) or an imgsz below 640; on the CPU the data loads in the "
         "training process, beside torch's threads"
     )
     assert "workers" not in v  # on the CPU the data loads in process: workers would change nothing
-    cached = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(cache="ram"), "cpu", 8, 0, 3)
+    cached = time_report.verdict(split(data=3.0, forward_backward=7.0), cfg(cache="ram"), "cpu", 0, 3)
     assert "cache=ram" not in cached  # it has it already
     monkeypatch.setattr(time_report.os, "cpu_count", lambda: 8)  # a GPU machine's cores: the advice's ceiling
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    on_gpu = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(), "cuda", 8, 2, 3)
+    on_gpu = time_report.verdict(split(data=3.0, forward_backward=7.0), cfg(), "cuda", 2, 3)
     assert on_gpu.endswith("try workers=4 (it had 2), cache=ram (each image decoded once) or an imgsz below 640")
-    all_cores = time_report.verdict(split(data=3.0, forward_backward=7.0), {}, cfg(), "cuda", 8, 8, 3)
+    all_cores = time_report.verdict(split(data=3.0, forward_backward=7.0), cfg(), "cuda", 8, 3)
     assert "workers" not in all_cores
 
 
 def test_below_the_threshold_the_run_is_compute_bound():
-    v = time_report.verdict(split(data=2.0, forward_backward=7.5, step=0.5), {}, cfg(), "cpu", 8, 0, 3)
+    v = time_report.verdict(split(data=2.0, forward_backward=7.5, step=0.5), cfg(), "cpu", 0, 3)
     assert v == "compute-bound: forward and backward took 75% of training; nothing around them held it up"
 
 
 def test_validation_heavy_only_where_val_false_would_save_the_time():
     figures = split(forward_backward=5.0, validation=4.5, precise_bn=0.5)  # 5 s over 5 epochs' and the final one's
-    v = time_report.verdict(figures, {}, cfg(), "cpu", 8, 0, 5)
+    v = time_report.verdict(figures, cfg(), "cpu", 0, 5)
     assert v.startswith("validation-heavy: 50% of the run validated, 33% before the last epoch"), v
-    assert time_report.verdict(figures, {}, cfg(val=False), "cpu", 8, 0, 5).startswith("compute-bound")
+    assert time_report.verdict(figures, cfg(val=False), "cpu", 0, 5).startswith("compute-bound")
     # one epoch: val=False would validate as often, so nothing to advise
-    assert time_report.verdict(figures, {}, cfg(), "cpu", 8, 0, 1).startswith("compute-bound")
+    assert time_report.verdict(figures, cfg(), "cpu", 0, 1).startswith("compute-bound")
 
 
 def test_the_statistics_pass_names_the_cheaper_modes_it_does_not_use_yet():
     figures = split(forward_backward=6.0, bn_window=3.0, step=1.0)
-    v = time_report.verdict(figures, {}, cfg(), "cpu", 2, 0, 3)
+    v = time_report.verdict(figures, cfg(), "cpu", 0, 3)
     assert v.startswith("bn=window's statistics pass took 30% of training; bn_window=16")
-    assert "bn_window=16" not in time_report.verdict(figures, {}, cfg(bn_window=16), "cpu", 2, 0, 3)
+    assert "bn_window=16" not in time_report.verdict(figures, cfg(bn_window=16), "cpu", 0, 3)
 
 
 def test_no_launch_verdict_on_cuda_until_a_gpu_calibrates_it_but_both_clocks_are_shown():
     """The host's forward-and-backward time holds the loss's read-backs, so host and device agree on CUDA whether or
     not the GPU waited for launches: no verdict is drawn from them (time_report's docstring), the figures are shown."""
     device, host = split(forward_backward=8.0, step=2.0), {"forward_backward": 7.6}
-    assert time_report.verdict(device, host, cfg(), "cuda", 2, 8, 3).startswith("compute-bound")
-    report = time_report.Report.of(device, host, cfg(), torch.device("cuda", 0), 2, 8, 3)
+    assert time_report.verdict(device, cfg(), "cuda", 8, 3).startswith("compute-bound")
+    report = time_report.Report.of(device, host, cfg(), torch.device("cuda", 0), 8, 3)
     assert report.lines()[2] == (
         "on the GPU, forward and backward took 8.0 s; the host spent 7.6 s launching them and waiting where the "
         "loss reads values back"
     )
-    assert len(time_report.Report.of(device, host, cfg(), torch.device("cpu"), 2, 0, 3).lines()) == 2
+    assert len(time_report.Report.of(device, host, cfg(), torch.device("cpu"), 0, 3).lines()) == 2
 
 
 def test_two_findings_at_most_the_larger_first():
     figures = split(data=4.0, forward_backward=3.0, bn_window=3.0, validation=6.0)  # 4.8 s before the last of 9
-    v = time_report.verdict(figures, {}, cfg(), "cpu", 2, 0, 9)
+    v = time_report.verdict(figures, cfg(), "cpu", 0, 9)
     assert v.startswith("validation-heavy") and "; data-bound" in v and "statistics pass" not in v
 
 

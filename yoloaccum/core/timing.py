@@ -9,8 +9,8 @@ On the CPU the host's clock is the truth: torch computes synchronously. On CUDA 
 clock would put the GPU's work wherever the host next waits (the window's one sync, in the step). There each lap also
 records a CUDA event on the current stream, and the split is the device's: the time between consecutive events, read
 only once the events have completed (`query()` does not block), so the timer adds no host synchronisation. The host's
-own time per phase is kept beside it: forward and backward taking the host about as long as the device means the GPU
-waited for kernel launches.
+own time per phase is kept beside it (`total_host`); the time report shows its forward and backward next to the
+device's, unjudged (training/time_report.py says why).
 """
 
 from __future__ import annotations

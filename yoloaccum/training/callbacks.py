@@ -98,15 +98,16 @@ def trackers() -> tuple[Callbacks, list[str]]:
 
 
 class RunView:
-    """The run as Ultralytics' callbacks see a trainer. Read live from the yoloaccum trainer; `epoch` is the epoch in
-    progress, from 0 (after the run, Ultralytics' final validation is reported at `epochs`, one past the last)."""
+    """The run as Ultralytics' callbacks see a trainer, on rank 0 (which holds the run folder). Read live from the
+    yoloaccum trainer; `epoch` is the epoch in progress, from 0 (the final validation's figures are reported one past
+    the last epoch trained, as Ultralytics reports them)."""
 
     def __init__(self, trainer: Any, events: Events):
         self._trainer, self._events = trainer, events
         p = trainer.parts
         from yoloaccum.config.ultra import ultralytics_args
 
-        self.save_dir = Path(p.run.path) if p.run else Path(p.cfg.project) / p.cfg.name
+        self.save_dir = Path(p.run.path)
         # as Ultralytics' trainer sets them: the run folder's name (exp2, ...) names the trackers' run
         args = {"mode": "train", "plots": p.cfg.plots, "save": p.cfg.save, "name": self.save_dir.name}
         self.args = ultralytics_args(p.cfg, **args, project=str(self.save_dir.parent))
@@ -117,8 +118,7 @@ class RunView:
         self.start_epoch = self.epoch
         self.plots: dict[Path, dict[str, Any]] = {}  # the run's pictures, for the trackers that upload them
         self.stop = False  # set by a callback: the run ends after this epoch's end steps
-        self.epoch_time = 0.0  # seconds of the last epoch, its end steps included
-        self.train_time_start = 0.0
+        self.epoch_time = 0.0  # seconds of the last epoch, its end steps up to its row included
         self._row: Mapping[str, float] = {}  # the last results.csv row
         self._final: dict[str, float] | None = None  # the final validation's figures, once training is over
 
@@ -233,15 +233,15 @@ class RunView:
 
 
 _ATTRIBUTES = {n for n in dir(RunView) if not n.startswith("_")} | set(
-    ["args", "save_dir", "wdir", "best", "last", "csv", "epoch", "start_epoch", "plots", "stop"]
+    ["args", "save_dir", "wdir", "best", "last", "csv", "epoch", "start_epoch", "plots", "stop", "epoch_time"]
 )
 
 
 class Events:
     """The callbacks of a run, by event, and the view they are called with; nothing runs off rank 0."""
 
-    def __init__(self, callbacks: Callbacks, enabled: bool):
-        self.callbacks = {event: list(fs) for event, fs in callbacks.items() if fs} if enabled else {}
+    def __init__(self, callbacks: Callbacks):
+        self.callbacks = {event: list(fs) for event, fs in callbacks.items() if fs}
         self.view: RunView | None = None
         self.trackers: list[str] = []  # Ultralytics' settings of the trackers that log this run
 
@@ -250,13 +250,13 @@ class Events:
         """One's own callbacks, then the trackers', per event, as Ultralytics orders them (a model's callbacks are
         the trainer's before add_integration_callbacks appends its integrations); none off rank 0."""
         if not main:
-            return cls({}, enabled=False)
+            return cls({})
         theirs, acting = trackers()
         merged: Callbacks = defaultdict(list)
         for source in (own, theirs):
             for event, functions in source.items():
                 merged[event].extend(functions)
-        events = cls(merged, enabled=True)
+        events = cls(merged)
         events.trackers = acting
         return events
 
@@ -310,14 +310,14 @@ class EpochEnded:
 
     def __init__(self, events: Events, saved: bool):
         self.events, self.saved = events, saved
-        self.elapsed: list[float] = []  # each epoch's seconds so far
+        self.last_row_time = 0.0  # results.csv's `time` at the last row: seconds since training started
 
     def __call__(self, end, decided):
         view = self.events.view
         if view is not None:
             view._row = decided.row
-            view.epoch_time = end.elapsed - view.train_time_start - sum(self.elapsed)
-            self.elapsed.append(view.epoch_time)
+            view.epoch_time = decided.row["time"] - self.last_row_time
+            self.last_row_time = decided.row["time"]
         if self.saved:
             self.events.run("on_model_save", end.epoch)
         self.events.run("on_fit_epoch_end", end.epoch)

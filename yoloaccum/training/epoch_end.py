@@ -50,7 +50,6 @@ class EpochEnd:
     images_per_second: float  # over all devices
     train_losses: tuple[float, ...] = ()  # the epoch's mean training losses, in the loss's order of names
     train_seconds: float = 0.0  # the epoch's micro-batches and steps, loader included; not its end's steps
-    elapsed: float = 0.0  # seconds since training started, at the epoch's end (results.csv's `time`, as Ultralytics)
     steps: tuple[StepRecord, ...] = ()  # the epoch's optimizer steps, as the engine took them
     skipped: tuple[int, ...] = ()  # every window of the run skipped as non-finite, also those before a resume
 

@@ -63,14 +63,14 @@ class Report:
         host: dict[str, float],
         cfg: Config,
         device: torch.device,
-        micro_batch: int,
         workers: int,
         epochs: int,
     ) -> Report:
-        """`epochs`: how many this process trained (a resumed run's, since it resumed)."""
+        """`host`: the host's own seconds per phase; `epochs`: how many this process trained (a resumed run's, since
+        it resumed)."""
         split = {phase: split.get(phase, 0.0) for phase in PHASES}
         host_fb = host.get("forward_backward", 0.0) if device.type == "cuda" else None
-        return cls(split, verdict(split, host, cfg, device.type, micro_batch, workers, epochs), host_fb)
+        return cls(split, verdict(split, cfg, device.type, workers, epochs), host_fb)
 
     def lines(self) -> list[str]:
         """`time:` and the split, then the verdict."""
@@ -86,9 +86,7 @@ class Report:
         return lines
 
 
-def verdict(
-    split: dict[str, float], host: dict[str, float], cfg: Config, device: str, micro: int, workers: int, epochs: int
-) -> str:
+def verdict(split: dict[str, float], cfg: Config, device: str, workers: int, epochs: int) -> str:
     """What bound the run and what to try: the findings the split supports, the one that cost the most seconds
     first, at most two."""
     training = sum(split.get(p, 0.0) for p in TRAINING) or 1e-9

@@ -437,7 +437,6 @@ class Trainer:
             timer.total_host,
             p.cfg,
             p.ctx.device,
-            p.engine.micro_batch,
             p.loader.num_workers,
             self.epochs_run,
         )
@@ -464,7 +463,6 @@ class Trainer:
             images_per_second=images_per_second,
             train_losses=tuple(self.train_losses),
             train_seconds=self.train_seconds,
-            elapsed=time.perf_counter() - self.train_start,
             steps=tuple(self.epoch_steps),
             skipped=tuple(self.parts.engine.skipped),
         )
