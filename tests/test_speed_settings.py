@@ -106,6 +106,36 @@ def test_objects_built_before_training_are_hidden_from_the_garbage_collector_unt
     assert gc.get_freeze_count() == 0
 
 
+def test_a_heap_frozen_again_inside_freezes_what_was_built_since_and_the_outermost_unfreezes():
+    """The run freezes the modules before building its parts, the training loop what was built since."""
+    import gc
+
+    from yoloaccum.process.memory import frozen_heap
+
+    with frozen_heap():
+        before = gc.get_freeze_count()
+        built = [[i] for i in range(1000)]  # lists are tracked by the collector
+        with frozen_heap():
+            assert gc.get_freeze_count() >= before + len(built)
+        assert gc.get_freeze_count() >= before + len(built)  # the inner one leaves them frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_command_line_leaves_its_objects_to_the_os_at_exit():
+    """The CLI's last exit handler freezes the heap, so the interpreter's teardown walks none of it (a handler
+    registered before the CLI starts runs after it, and sees it frozen)."""
+    script = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
+        "from yoloaccum import cli\n"
+        "sys.argv = ['yoloaccum', '--version']\n"
+        "cli.run()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "frozen at exit: True" in done.stdout
+
+
 def test_a_heap_frozen_by_the_caller_stays_frozen():
     import gc
 

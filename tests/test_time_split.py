@@ -245,3 +245,25 @@ def test_the_hot_path_reads_back_from_the_device_once_per_window(tmp_path, bn):
     windows = len(engine.history)
     assert result.done == trainer.parts.schedule.batches_per_epoch and windows == 3
     assert counted.calls == ["tolist"] * windows, counted.calls
+
+
+# --- what was cut
+
+
+def test_the_final_validation_takes_best_pts_weights_as_written_without_reading_the_file_back(tmp_path):
+    """The model that best.pt was written with, kept in memory, gives the weights the file gives when read back, to
+    the bit; a process that did not write best.pt (a resumed run's) reads the file."""
+    from yoloaccum.model import checkpoint
+    from yoloaccum.training import epoch_end
+
+    trainer = _trainer(tmp_path, epochs=2, val=False)
+    trainer.train()
+    best = trainer.parts.run.weights / "best.pt"
+    save = next(s for s in trainer.epoch_end if isinstance(s, epoch_end.Save))
+    assert save.best_model is not None
+    kept, read = trainer._best_weights(best), checkpoint.model_of(checkpoint.load(best)).state_dict()
+    assert kept.keys() == read.keys()
+    for name, tensor in read.items():
+        assert torch.equal(kept[name].to(tensor.dtype), tensor), name
+    save.best_model = None
+    assert all(torch.equal(a, b) for a, b in zip(trainer._best_weights(best).values(), read.values(), strict=True))

@@ -32,20 +32,29 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))
 
 
+_depth = 0  # frozen_heap()s open now: only the outermost one unfreezes
+
+
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Hide every object alive now (modules, dataset, labels: hundreds of thousands of them) from the cyclic garbage
-    collector while training. A full collection would otherwise walk them all at some iteration, a stall measured on
-    the CPU (docs/performance.md), and in each loader worker, forked from this process, copy every page it touched.
+    collector until the outermost frozen_heap() ends. A full collection would otherwise walk them all: at an
+    iteration, a stall measured on the CPU (docs/performance.md); while the run is set up and validated, about 0.1 s
+    each time; and in each loader worker, forked from this process, it would copy every page it touched.
 
+    Entered again inside (the run around the training loop), it freezes what was built since, and leaves the
+    unfreezing to the outer one. No collection first: what is garbage now (little, this early) waits for the end.
     It is kept on CUDA too: it changes no computation, only which objects the collector scans, and freezing before
     the loader forks its workers is what Python's gc documentation advises to keep the children's pages shared."""
-    if gc.get_freeze_count():  # frozen by whoever runs us: theirs to undo, not ours
+    global _depth
+    if gc.get_freeze_count() and not _depth:  # frozen by whoever runs us: theirs to undo, not ours
         yield
         return
-    gc.collect()
+    _depth += 1
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        _depth -= 1
+        if not _depth:
+            gc.unfreeze()

@@ -213,12 +213,15 @@ class EarlyStopping:
 
 class Save:
     """last.pt after every epoch, epochN.pt every save_period epochs, and best.pt when fitness improved. `checkpoint_of`
-    gives the run's checkpoint at its training state's position (state.of), finished or not."""
+    gives the run's checkpoint at its training state's position (state.of), finished or not. `best_model` is the
+    model of the best.pt this process wrote last (its half-precision EMA, which nothing changes afterwards), so that
+    the final validation need not read the file back; None until one is written."""
 
     phase = "save"
 
     def __init__(self, weights: Path, save_period: int, checkpoint_of: Callable[[bool], dict[str, Any]]):
         self.weights, self.save_period, self.checkpoint_of = weights, save_period, checkpoint_of
+        self.best_model: torch.nn.Module | None = None
 
     def __call__(self, end: EpochEnd, decided: Decided) -> Decided:
         paths = [self.weights / "last.pt"]
@@ -227,7 +230,9 @@ class Save:
         ckpt = self.checkpoint_of(end.final or decided.stop is not None)
         checkpoint.save_atomic(ckpt, *paths)
         if decided.best:
-            checkpoint.save_atomic(checkpoint.stripped(ckpt), self.weights / "best.pt")
+            best = checkpoint.stripped(ckpt)
+            checkpoint.save_atomic(best, self.weights / "best.pt")
+            self.best_model = best["model"]
         return decided
 
 

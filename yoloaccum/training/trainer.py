@@ -409,7 +409,7 @@ class Trainer:
         from_best = distributed.from_main(bool(p.cfg.save and best and best.exists()), p.ctx)
         model, title = copy.deepcopy(p.ema.ema), "final figures: the last epoch's EMA (save=False)"
         if from_best:
-            weights = checkpoint.model_of(checkpoint.load(best)).state_dict() if p.ctx.is_main else None
+            weights = self._best_weights(best) if p.ctx.is_main else None
             model.load_state_dict(distributed.from_main(weights, p.ctx))
             title = f"final figures: {best} validated"
         else:  # rank 0's buffers, as at every validation (epoch_end.SameBuffers)
@@ -423,6 +423,14 @@ class Trainer:
         p.engine.timer.lap("validation")
         self.events.after_fitting(metrics, self.state.position[0] - 1)  # as Ultralytics' final_eval
         return metrics
+
+    def _best_weights(self, best: Path) -> dict[str, torch.Tensor]:
+        """best.pt's weights: as this process wrote them (the same half-precision tensors, 0.2 s of reading and
+        unpickling spared), or read from the file, which an earlier process of a resumed run wrote."""
+        save = next((s for s in self.epoch_end if isinstance(s, epoch_end.Save)), None)
+        if save is not None and save.best_model is not None:
+            return save.best_model.state_dict()
+        return checkpoint.model_of(checkpoint.load(best)).state_dict()
 
     def _elapsed(self) -> float:
         """Seconds since training started (results.csv's `time`)."""
