@@ -7,16 +7,16 @@
 Equal threads: both trainers on one torch thread (OMP_NUM_THREADS=1; Ultralytics' trainer holds itself to one thread
 on a 2-core CPU anyway), on a held-out shapes set (256 training images at 160 px, generator seed 1), batch 8, nbs 64,
 3 epochs, validation, plots and precise_bn off: the engines alone. Each repeat runs both, each in a fresh process, the
-order alternating; the ratio is taken within a repeat and the report gives the median. Whole process: from starting
-the process to its exit. The split: yoloaccum's own (TrainResult.time_split, core/timing.py); Ultralytics' from its
+order alternating; the ratio is taken within a repeat and the report gives the median. Whole process: `yoloaccum
+train` against `yolo train`, each run by its console entry point (cli.run, ultralytics.cfg.entrypoint) in a process
+of its own, from its start to its exit, as a shell runs them. The split: yoloaccum's own (TrainResult.time_split, core/timing.py); Ultralytics' from its
 callbacks and its trainer's methods timed from outside (on_train_batch_start ends the wait for data, preprocess_batch
 moves the batch, optimizer_step is the step, validate and save_model their phases), so both name the same phases;
 "startup" is the rest of the whole process (imports, building the model and data, exiting).
 
 The split's cost: one process trains 9 epochs of the same set with the split on and off in alternate epochs (a step
 added to the trainer swaps the engine's timer) and compares each off epoch's training seconds with the mean of the on
-epochs either side of it; and, below the
-machine's noise, a lap's own time in a loop of 100,000, times the laps of an epoch, over the epoch's time.
+epochs either side of it; and, below the machine's noise, a lap's own time in a loop of 100,000, times the laps of an epoch, over the epoch's time.
 """
 
 from __future__ import annotations
@@ -44,17 +44,34 @@ PHASES = ("startup", "data", "to_device", "forward_backward", "bn_window", "step
 
 
 def yoloaccum_child(data: str, project: str, settings: str, out: str) -> None:
-    """In a fresh process: yoloaccum's train(), its split written to `out`."""
-    from yoloaccum import train
+    """In a fresh process: `yoloaccum train`, as the shell runs it (its console entry point, exit included); the
+    TrainResult its command returns gives the split, written to `out`."""
+    from yoloaccum.commands import train as command
 
-    result = train(data=data, project=project, name="run", precise_bn=0, **json.loads(settings))
-    Path(out).write_text(json.dumps(result.time_split))
+    run = command.run
+
+    def kept(*args, **kwargs):
+        result = run(*args, **kwargs)
+        Path(out).write_text(json.dumps(result.time_split))
+        return result
+
+    command.run = kept
+    keys = {"data": data, "project": project, "name": "run", "precise_bn": 0, **json.loads(settings)}
+    sys.argv = ["yoloaccum", "train", *(f"{k}={v}" for k, v in keys.items())]
+    from yoloaccum.cli import run as yoloaccum
+
+    yoloaccum()
 
 
 def ultralytics_child(data: str, project: str, settings: str, out: str) -> None:
-    """In a fresh process: Ultralytics' trainer, timed by its callbacks and its own methods into the same phases."""
+    """In a fresh process: `yolo train`, as the shell runs it (its console entry point), timed by its callbacks and
+    its trainer's own methods into the same phases. The callbacks go into Ultralytics' defaults, which every model the
+    command makes copies."""
+    keys = {"data": data, "project": project, "name": "run", **json.loads(settings)}
+    sys.argv[:] = ["yolo", "train", *(f"{k}={v}" for k, v in keys.items())]  # in place: Ultralytics' ARGV is this list
     import yoloaccum.config.ultra  # noqa: F401, I001  (first: offline, nothing reaches the network)
-    from ultralytics import YOLO
+    from ultralytics.cfg import entrypoint
+    from ultralytics.utils.callbacks.base import default_callbacks
 
     split: dict[str, float] = defaultdict(float)
     last = [0.0]
@@ -83,16 +100,17 @@ def ultralytics_child(data: str, project: str, settings: str, out: str) -> None:
         timed(trainer, "validate", "other", "validation")
         timed(trainer, "save_model", "other", "save")
 
-    kwargs = json.loads(settings)
-    model = YOLO(kwargs.pop("model"))
-    model.add_callback("on_pretrain_routine_end", instrument)
-    model.add_callback("on_train_start", lambda trainer: lap("startup"))
-    model.add_callback("on_train_batch_start", lambda trainer: lap("data"))
-    model.add_callback("on_train_batch_end", lambda trainer: lap("forward_backward"))
-    model.add_callback("on_train_end", lambda trainer: lap("validation"))  # the final validation of best.pt
-    model.train(data=data, project=project, name="run", **kwargs)
-    split.pop("startup", None)  # before training: counted as the process's rest, as for yoloaccum
-    Path(out).write_text(json.dumps(split))
+    def written(trainer) -> None:  # on_train_end: the final validation of best.pt
+        lap("validation")
+        split.pop("startup", None)  # before training: counted as the process's rest, as for yoloaccum
+        Path(out).write_text(json.dumps(split))
+
+    default_callbacks["on_pretrain_routine_end"].append(instrument)
+    default_callbacks["on_train_start"].append(lambda trainer: lap("startup"))
+    default_callbacks["on_train_batch_start"].append(lambda trainer: lap("data"))
+    default_callbacks["on_train_batch_end"].append(lambda trainer: lap("forward_backward"))
+    default_callbacks["on_train_end"].append(written)
+    entrypoint()
 
 
 def one_run(trainer: str, data: Path, settings: dict, folder: Path) -> dict:
@@ -119,12 +137,12 @@ def one_run(trainer: str, data: Path, settings: dict, folder: Path) -> dict:
     return {"seconds": seconds, "split": phases}
 
 
-def equal_threads(repeats: int, smoke: bool) -> list[dict]:
-    data = shapes_data(tempfile.mkdtemp(), smoke=smoke, counts=None if smoke else HELD_OUT)
+def equal_threads(repeats: int, smoke: bool, work: Path) -> list[dict]:
+    data = shapes_data(str(work), smoke=smoke, counts=None if smoke else HELD_OUT)
     settings = SMOKE if smoke else SETTINGS
     out = []
     for i in range(repeats):
-        folder = Path(tempfile.mkdtemp())
+        folder = work / f"repeat{i}"
         order = ("yoloaccum", "ultralytics") if i % 2 == 0 else ("ultralytics", "yoloaccum")
         runs = {trainer: one_run(trainer, data, settings, folder) for trainer in order}
         runs["ratio"] = runs["ultralytics"]["seconds"] / runs["yoloaccum"]["seconds"]
@@ -133,7 +151,7 @@ def equal_threads(repeats: int, smoke: bool) -> list[dict]:
     return out
 
 
-def split_cost(smoke: bool) -> dict:
+def split_cost(smoke: bool, work: Path) -> dict:
     """The split's own cost: epochs with the engine's timer on and off alternately, in one process, one thread."""
     import torch
 
@@ -142,9 +160,9 @@ def split_cost(smoke: bool) -> dict:
     from yoloaccum.training.trainer import Trainer
 
     torch.set_num_threads(1)
-    data = shapes_data(tempfile.mkdtemp(), smoke=smoke, counts=None if smoke else HELD_OUT)
+    data = shapes_data(str(work), smoke=smoke, counts=None if smoke else HELD_OUT)
     settings = {**(SMOKE if smoke else SETTINGS), "epochs": 5 if smoke else 9, "warmup_epochs": 0, "save": False}
-    cfg = resolve(overrides={**settings, "data": str(data), "precise_bn": 0, "project": tempfile.mkdtemp()})
+    cfg = resolve(overrides={**settings, "data": str(data), "precise_bn": 0, "project": str(work / "cost")})
     trainer = Trainer.from_config(cfg)
     seconds: dict[str, list[float]] = {"on": [], "off": []}
     on, off = trainer.parts.engine.timer, PhaseTimer.off()
@@ -200,8 +218,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--skip-cost", action="store_true", help="the equal-threads comparison alone")
     a = parser.parse_args()
-    runs = equal_threads(1 if a.smoke else a.repeats, a.smoke)
-    cost = None if a.skip_cost else split_cost(a.smoke)
+    with tempfile.TemporaryDirectory() as work:  # the runs' folders, 60 MB a repeat
+        runs = equal_threads(1 if a.smoke else a.repeats, a.smoke, Path(work))
+        cost = None if a.skip_cost else split_cost(a.smoke, Path(work))
     lines = table(runs)
     if cost is not None:
         on, off = cost["seconds"]["on"], cost["seconds"]["off"]
