@@ -4,19 +4,20 @@
     python benchmarks/time_split.py --repeats 7
     python benchmarks/time_split.py --smoke      # one tiny run of each part, into a temp folder (make test runs it)
 
-Equal threads: both trainers on one torch thread (OMP_NUM_THREADS=1; Ultralytics' trainer holds itself to one thread
-on a 2-core CPU anyway), on a held-out shapes set (256 training images at 160 px, generator seed 1), batch 8, nbs 64,
-3 epochs, validation, plots and precise_bn off: the engines alone. Each repeat runs both, each in a fresh process, the
-order alternating; the ratio is taken within a repeat and the report gives the median. Whole process: `yoloaccum
-train` against `yolo train`, each run by its console entry point (cli.run, ultralytics.cfg.entrypoint) in a process
-of its own, from its start to its exit, as a shell runs them. The split: yoloaccum's own (TrainResult.time_split, core/timing.py); Ultralytics' from its
-callbacks and its trainer's methods timed from outside (on_train_batch_start ends the wait for data, preprocess_batch
-moves the batch, optimizer_step is the step, validate and save_model their phases), so both name the same phases;
-"startup" is the rest of the whole process (imports, building the model and data, exiting).
+Equal threads: both trainers on one torch thread (OMP_NUM_THREADS=1; Ultralytics' trainer holds itself to one thread on
+a 2-core CPU anyway), on a held-out shapes set (256 training images at 160 px, generator seed 1), batch 8, nbs 64, 3
+epochs, validation, plots and precise_bn off: the engines alone. Each repeat runs both, each in a fresh process, the
+order alternating; the ratio is taken within a repeat and the report gives the median. Whole process: `yoloaccum train`
+against `yolo train`, each run by its console entry point (cli.run, ultralytics.cfg.entrypoint) in a process of its own,
+from its start to its exit, as a shell runs them. The split: yoloaccum's own (TrainResult.time_split, core/timing.py);
+Ultralytics' from its callbacks and its trainer's methods timed from outside (on_train_batch_start ends the wait for
+data, preprocess_batch moves the batch, optimizer_step is the step, validate and save_model their phases), so both name
+the same phases; "startup" is the rest of the whole process (imports, building the model and data, exiting).
 
 The split's cost: one process trains 9 epochs of the same set with the split on and off in alternate epochs (a step
 added to the trainer swaps the engine's timer) and compares each off epoch's training seconds with the mean of the on
-epochs either side of it; and, below the machine's noise, a lap's own time in a loop of 100,000, times the laps of an epoch, over the epoch's time.
+epochs either side of it; and, below the machine's noise, a lap's own time in a loop of 100,000, times the laps of an
+epoch, over the epoch's time.
 """
 
 from __future__ import annotations
