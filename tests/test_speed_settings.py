@@ -121,6 +121,25 @@ def test_a_heap_frozen_again_inside_freezes_what_was_built_since_and_the_outermo
     assert gc.get_freeze_count() == 0
 
 
+def test_a_later_run_collects_what_the_run_before_left_before_it_freezes():
+    """A notebook's second train(): the first run's trainer is garbage in reference cycles, to be freed, not frozen
+    into the second run."""
+    import weakref
+
+    from yoloaccum.process.memory import frozen_heap
+
+    class Trainer:
+        pass
+
+    with frozen_heap():
+        first = Trainer()
+        first.itself = first  # a reference cycle, as a trainer and its steps make
+    gone = weakref.ref(first)
+    del first
+    with frozen_heap():
+        assert gone() is None
+
+
 def test_the_command_line_leaves_its_objects_to_the_os_at_exit():
     """The CLI's last exit handler freezes the heap, so the interpreter's teardown walks none of it (a handler
     registered before the CLI starts runs after it, and sees it frozen)."""

@@ -33,6 +33,7 @@ def keep_freed_memory() -> bool:
 
 
 _depth = 0  # frozen_heap()s open now: only the outermost one unfreezes
+_ended = False  # one has ended in this process: the run it held may have left its trainer in reference cycles
 
 
 @contextmanager
@@ -43,18 +44,23 @@ def frozen_heap() -> Iterator[None]:
     each time; and in each loader worker, forked from this process, it would copy every page it touched.
 
     Entered again inside (the run around the training loop), it freezes what was built since, and leaves the
-    unfreezing to the outer one. No collection first: what is garbage now (little, this early) waits for the end.
+    unfreezing to the outer one. The first run of a process freezes without collecting first: what is garbage then
+    (little, after the imports) waits for the end. A later one (a notebook's second train()) collects first: the run
+    before left its trainer, model and data in reference cycles, which would otherwise stay alive through this run.
     It is kept on CUDA too: it changes no computation, only which objects the collector scans, and freezing before
     the loader forks its workers is what Python's gc documentation advises to keep the children's pages shared."""
-    global _depth
+    global _depth, _ended
     if gc.get_freeze_count() and not _depth:  # frozen by whoever runs us: theirs to undo, not ours
         yield
         return
+    if not _depth and _ended:
+        gc.collect()
     _depth += 1
-    gc.freeze()
     try:
+        gc.freeze()
         yield
     finally:
         _depth -= 1
         if not _depth:
             gc.unfreeze()
+            _ended = True

@@ -425,11 +425,13 @@ class Trainer:
         return metrics
 
     def _best_weights(self, best: Path) -> dict[str, torch.Tensor]:
-        """best.pt's weights: as this process wrote them (the same half-precision tensors, 0.2 s of reading and
-        unpickling spared), or read from the file, which an earlier process of a resumed run wrote."""
+        """best.pt's weights, in full precision on the CPU: as this process wrote them (the same half-precision
+        tensors, converted as reading the file converts them, 0.2 s of reading and unpickling spared), or read from the
+        file, which an earlier process of a resumed run wrote."""
         save = next((s for s in self.epoch_end if isinstance(s, epoch_end.Save)), None)
         if save is not None and save.best_model is not None:
-            return save.best_model.state_dict()
+            weights = save.best_model.state_dict().items()
+            return {k: (v.float() if v.is_floating_point() else v).cpu() for k, v in weights}
         return checkpoint.model_of(checkpoint.load(best)).state_dict()
 
     def _elapsed(self) -> float:
