@@ -7,11 +7,11 @@ of training against a real batch of 64 and against Ultralytics' trainer at the s
     python benchmarks/fidelity_finetune.py --smoke           # a tiny checkpoint and set, into a temporary folder
 
 Each run trains in a fresh process (fidelity.py's train_and_evaluate), then its final EMA is validated with the
-BatchNorm statistics it trained with and with precise ones (precise_bn's, frozen layers kept). Finished runs are kept
-in benchmarks/records/finetune/<data>.json, keyed by the checkpoint's SHA-256 and the settings, so the study goes on
-where it stopped, seed by seed (a stopped study still has complete pairs), and never mixes runs of another
-checkpoint. Cost per image is each run's training and validation seconds over the images it trained, one run at a
-time on the same machine.
+BatchNorm statistics it trained with and with precise ones (precise_bn's, frozen layers kept). Finished runs are kept in
+benchmarks/records/finetune/<data>.json, keyed by the checkpoint's SHA-256 and the settings, so the study goes on where
+it stopped, seed by seed (a stopped study still has complete pairs), and never mixes runs of another checkpoint; the
+report of each checkpoint's runs is <data>-<its SHA-256's first 12>.md beside it. Cost per image is each run's training
+and validation seconds over the images it trained, one run at a time on the same machine.
 """
 
 from __future__ import annotations
@@ -355,6 +355,16 @@ def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[
     return out
 
 
+def report_key(saved: dict) -> str | None:
+    """--report's checkpoint: make pretrain's, where it is here and has runs in the store, else the last one that
+    ran. A checkpoint made again (pretrain.py) starts a new key; the runs of the ones before stay in the store, and
+    each checkpoint's report is <set>-<its SHA-256's first 12>.md."""
+    import pretrain
+
+    current = (pretrain.record() or {}).get("sha256")
+    return current if current in saved else next(reversed(saved), None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", nargs="+", choices=list(SIZES), default=list(SIZES))
@@ -378,7 +388,7 @@ def main() -> None:
             continue
         store = out / f"{name}.json"
         saved = json.loads(store.read_text()) if store.exists() else {}
-        key = sha or next(iter(saved), None)  # --report: the first checkpoint's runs in the store
+        key = sha or report_key(saved)
         if key is None:
             continue
         record = saved.setdefault(key, {"sha256": key, "checkpoint": weights.name if weights else "?", "runs": {}})
@@ -408,7 +418,7 @@ def main() -> None:
         if json.dumps(saved) != before:  # kept runs moved or paired under today's defaults
             store.write_text(json.dumps(saved, indent=1) + "\n")
         text = report(runs, run_size, configs, seeds, record)
-        (out / f"{name}.md").write_text(text)
+        (out / f"{name}-{key[:12]}.md").write_text(text)  # each checkpoint's report apart
         print(text, flush=True)
 
 

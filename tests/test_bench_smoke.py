@@ -148,7 +148,7 @@ def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(t
     assert record["runs"][twin]["0"]["same_run_as"] == "b2"
     day = datetime.date.fromisoformat(record["runs"]["b64"]["0"]["day"])  # the cost compares one day's runs
     assert datetime.date.today() - day <= datetime.timedelta(days=1)
-    table = (tmp_path / "shapes.md").read_text()
+    table = (tmp_path / f"shapes-{sha[:12]}.md").read_text()  # each checkpoint's report apart
     assert "| b2 | 0 |" in table and "| ultralytics-b2 | 0 |" in table
     assert f"| {twin} (the runs of b2) | 0 |" in table
 
