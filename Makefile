@@ -94,7 +94,7 @@ fidelity: install
 	else echo "fidelity: ../shared/datasets/bccd.yaml is not here, so the BCCD runs are skipped"; fi
 
 # The fine-tuning study's starting point: yolo26n trained on ../shared's hardhat photographs with a real batch of 64 at
-# 224 px (85 minutes on 2 CPU cores), kept in git in benchmarks/pretrained/ with its SHA-256, mAP and results.csv.
+# 224 px (85 minutes on 2 CPU cores), in benchmarks/pretrained/ (the .pt outside git) with its SHA-256, mAP and results.csv.
 pretrain: install
 	$(BIN)/python benchmarks/pretrain.py
 
