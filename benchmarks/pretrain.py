@@ -9,9 +9,9 @@ sites stand in for COCO: real photographs, a different domain from the fine-tuni
 and enough images for BatchNorm's running statistics to settle. The checkpoint is best.pt of that run, Ultralytics'
 stripped half-precision layout, as a user's yolo26n.pt is. It lives in benchmarks/pretrained/ (or
 $YOLOACCUM_PRETRAINED), outside git (weights are not committed), beside a JSON record with its SHA-256, recipe and
-hardhat val mAP and its results.csv, which git keeps. The study checks the hash before every run, so it never fine-tunes from a file that changed underneath it. A
-run stopped before its end (a session's time is up) resumes from its work folder there (not in git) at the next
-`make pretrain`.
+hardhat val mAP and its results.csv, which git keeps. The study checks the hash before every run, so it never
+fine-tunes from a file that changed underneath it. A run stopped before its end (a session's time is up) resumes from
+its work folder there (not in git) at the next `make pretrain`.
 """
 
 from __future__ import annotations
