@@ -159,8 +159,33 @@ def kept(record: dict, name: str, seed: int) -> bool:
     return False
 
 
+def to_make(record: dict, configs: list[str], seeds: list[int]) -> list[tuple[int, str]]:
+    """The runs the store does not hold, (seed, configuration) in the order the study makes them; two configurations
+    that resolve alike (b2 and its twin) are one run."""
+    todo = []
+    for seed in seeds:
+        for name in configs:
+            if not kept(record, name, seed) and all((s, resolved(c)) != (seed, resolved(name)) for s, c in todo):
+                todo.append((seed, name))
+    return todo
+
+
 def cost_per_image(run: dict, size: dict) -> float:
     return run["seconds"] / (size["images"] * size["epochs"])
+
+
+def time_left(saved: dict, todo: list[tuple[int, str]], size: dict) -> tuple[float, int]:
+    """Seconds the runs `todo` (seed, configuration) should take on this set, each at its configuration's pace on the
+    latest day it ran (of any checkpoint's runs: the cost is the settings', and the machine's speed varies by day),
+    and how many have no kept run to go by."""
+    paces = {}
+    for name in {config for _, config in todo}:
+        mine = [r for rec in saved.values() for r in rec["runs"].get(name, {}).values() if "same_run_as" not in r]
+        latest = max((r.get("day") or "" for r in mine), default=None)
+        if latest is not None:
+            paces[name] = statistics.median(cost_per_image(r, size) for r in mine if (r.get("day") or "") == latest)
+    seconds = sum(paces[c] * size["images"] * size["epochs"] for _, c in todo if c in paces)
+    return seconds, sum(c not in paces for _, c in todo)
 
 
 def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict, seeds: list[int]) -> str:
@@ -417,6 +442,12 @@ def study(a: argparse.Namespace, work: Path, out: Path) -> None:
             run_size["model"] = str(weights)
         for seed in sorted({int(s) for held in runs.values() for s in held} | set(seeds)):
             move_stale(record, seed)
+        todo = [] if a.report else to_make(record, configs, seeds)
+        if todo:
+            seconds, unknown = time_left(saved, todo, size)
+            guess = f"about {seconds / 3600:.1f} h at the pace of each configuration's latest day" if seconds else ""
+            blind = f"{unknown} with no kept run to go by" if unknown else ""
+            print(f"{name}: {len(todo)} runs to make; " + "; ".join(filter(None, [guess, blind])), flush=True)
         for seed in seeds:
             for config in configs:
                 if kept(record, config, seed) or a.report:

@@ -119,3 +119,31 @@ def test_modes_pool_over_micro_batches_by_seed_and_the_cheap_mode_meets_the_defa
     micro, pairs, diff = rows["bn=frozen − bn=window"]
     assert (micro, pairs) == ("2, 4", "5")
     assert diff.startswith("-0.022 [")  # (-0.01 - 0.02 - 0.03 - 0.02 - 0.03) / 5
+
+
+def test_the_runs_to_make_are_the_ones_not_kept_and_twins_are_one_run(study, modes):
+    today, _ = modes
+    record = {"runs": {"b2-frozen": {"0": run("frozen", 0.5)}}}
+    todo = study.to_make(record, ["b2", f"b2-{today}", "b2-frozen"], [0, 1])
+    assert todo == [(0, "b2"), (1, "b2"), (1, "b2-frozen")]  # b2's twin is b2's run; seed 0's b2-frozen is kept
+
+
+def test_the_time_left_goes_by_each_configurations_latest_day(study):
+    """The machine's speed varies by day: a configuration's runs of its latest day set its pace (any checkpoint's);
+    a copy of another's run is not a run of its own, and a configuration with none is counted apart."""
+    size = {"images": 10, "epochs": 2}
+
+    def timed(seconds: float, day: str, **more) -> dict:
+        return {**run("frozen", 0.5), "seconds": seconds, "day": day, **more}
+
+    saved = {
+        "first checkpoint": {"runs": {"b2-frozen": {"0": timed(100.0, "2026-12-05")}}},
+        "second": {
+            "runs": {
+                "b2-frozen": {"1": timed(200.0, "2026-12-07"), "2": timed(400.0, "2026-12-07")},
+                "b2": {"0": timed(999.0, "2026-12-07", same_run_as="b2-window")},
+            }
+        },
+    }
+    seconds, unknown = study.time_left(saved, [(3, "b2-frozen"), (4, "b2-frozen"), (3, "b2"), (3, "b64")], size)
+    assert (seconds, unknown) == (600.0, 2)  # twice the median of 200 and 400 s; b2 holds only a copy, b64 nothing
