@@ -165,7 +165,8 @@ def dataset(size: dict, folder: str) -> Path:
     if size.get("dataset") in SHARED_SETS:  # absolute: Ultralytics' trainer resolves a relative path elsewhere
         from common import absolute_yaml
 
-        return absolute_yaml(SHARED_SETS[size["dataset"]])
+        Path(folder).mkdir(parents=True, exist_ok=True)  # the yaml goes with the run's folder, not a stray temporary
+        return absolute_yaml(SHARED_SETS[size["dataset"]], Path(folder))
     return shapes_data(
         folder,
         smoke=False,
