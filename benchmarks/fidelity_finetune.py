@@ -188,6 +188,25 @@ def time_left(saved: dict, todo: list[tuple[int, str]], size: dict) -> tuple[flo
     return seconds, sum(c not in paces for _, c in todo)
 
 
+def paced_alike(out: Path, name: str, size: dict) -> dict:
+    """The kept runs of the other sets of `name`'s photographs at its image size (aquarium's for aquarium-40), under
+    keys of their own, each run's seconds scaled to `name`'s images and epochs (`size`): a run's cost per image and
+    epoch is the same at another schedule, so they pace a set that has no runs yet."""
+    alike = {}
+    for other, theirs in SIZES.items():
+        store = out / f"{other}.json"
+        if other == name or (theirs["dataset"], theirs["imgsz"]) != (size.get("dataset"), size["imgsz"]):
+            continue
+        scale = size["images"] * size["epochs"] / (theirs["images"] * theirs["epochs"])
+        for key, record in json.loads(store.read_text()).items() if store.exists() else []:
+            runs = {
+                c: {s: {**r, "seconds": r["seconds"] * scale} for s, r in held.items()}
+                for c, held in record["runs"].items()
+            }
+            alike[f"{other} {key}"] = {**record, "runs": runs}
+    return alike
+
+
 def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict, seeds: list[int]) -> str:
     """A configuration's ms per image (the median over its seeds `have`) and its ratio to `other`'s (over `seeds`).
     The machine's speed varies from day to day, so where both have runs of one day the ratio is the median over
@@ -444,7 +463,7 @@ def study(a: argparse.Namespace, work: Path, out: Path) -> None:
             move_stale(record, seed)
         todo = [] if a.report else to_make(record, configs, seeds)
         if todo:
-            seconds, unknown = time_left(saved, todo, size)
+            seconds, unknown = time_left({**paced_alike(out, name, size), **saved}, todo, size)
             guess = f"about {seconds / 3600:.1f} h at the pace of each configuration's latest day" if seconds else ""
             blind = f"{unknown} with no kept run to go by" if unknown else ""
             print(f"{name}: {len(todo)} runs to make; " + "; ".join(filter(None, [guess, blind])), flush=True)

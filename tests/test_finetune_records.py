@@ -2,6 +2,8 @@
 ends under the configuration that names what it trained, and none is dropped or overwritten. Records in memory, no
 training."""
 
+import json
+
 import pytest
 from conftest import REPO
 
@@ -147,3 +149,16 @@ def test_the_time_left_goes_by_each_configurations_latest_day(study):
     }
     seconds, unknown = study.time_left(saved, [(3, "b2-frozen"), (4, "b2-frozen"), (3, "b2"), (3, "b64")], size)
     assert (seconds, unknown) == (600.0, 2)  # twice the median of 200 and 400 s; b2 holds only a copy, b64 nothing
+
+
+def test_a_set_with_no_runs_is_paced_by_the_same_photographs_at_the_same_size(study, tmp_path):
+    """aquarium-40 trains aquarium's images at aquarium's size for twice the epochs: aquarium's runs pace it, per
+    image and epoch; BCCD's, another set, do not."""
+    for name, seconds in (("aquarium", 400.0), ("bccd", 5.0)):
+        record = {"runs": {"b2-frozen": {"0": {**run("frozen", 0.5), "seconds": seconds, "day": "2026-12-07"}}}}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"sha": record}))
+    alike = study.paced_alike(tmp_path, "aquarium-40", study.SIZES["aquarium-40"])
+    assert list(alike) == ["aquarium sha"]
+    seconds, unknown = study.time_left(alike, [(0, "b2-frozen"), (0, "b2")], study.SIZES["aquarium-40"])
+    assert (seconds, unknown) == (800.0, 1)  # twice the epochs, twice the time; b2 has no run anywhere
+    assert study.paced_alike(tmp_path, "aquarium", study.SIZES["aquarium"]) == {}  # aquarium-40.json is not there
