@@ -208,15 +208,26 @@ def paced_alike(out: Path, name: str, size: dict) -> dict:
 
 
 def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict, seeds: list[int]) -> str:
-    """A configuration's ms per image (the median over its seeds `have`) and its ratio to `other`'s (over `seeds`).
-    The machine's speed varies from day to day, so where both have runs of one day the ratio is the median over
-    those days of each day's ratio of medians ("same day"; it may rest on fewer runs than the ms), else that of the
-    seeds both have (runs kept before the record stored their day have none). No ratio to itself or its twin."""
+    """A configuration's ms per image (the median over its seeds `have`) and its ratio to `other`'s (cost_ratio). No
+    ratio to itself or its twin."""
+    ms = statistics.median(cost_per_image(runs[name][str(s)], size) for s in have) * 1000
+    ratio, same_day = cost_ratio(runs, name, other, have, size, seeds)
+    if ratio is None:
+        return f"{ms:.0f}"
+    return f"{ms:.0f} ({ratio:.2f}x{', same day' if same_day else ''})"
+
+
+def cost_ratio(
+    runs: dict, name: str, other: str, have: list[int], size: dict, seeds: list[int]
+) -> tuple[float | None, bool]:
+    """`name`'s cost per image over `other`'s, and whether it compares runs of one day. The machine's speed varies
+    from day to day, so where both have runs of one day the ratio is the median over those days of each day's ratio
+    of medians (it may rest on fewer runs than `have`), else that of the seeds both have (runs kept before the record
+    stored their day have none). None for itself, its twin, or no runs to compare."""
     mine = [runs[name][str(s)] for s in have]
-    ms = statistics.median(cost_per_image(r, size) for r in mine) * 1000
     held = runs.get(other, {})
     if other == name or all(str(s) in held and same_run(runs, name, other, s) for s in have):
-        return f"{ms:.0f}"
+        return None, False
     theirs = [r for s, r in held.items() if int(s) in seeds]
 
     def median_cost(of: list[dict]) -> float:
@@ -229,12 +240,11 @@ def cost_cell(runs: dict, name: str, other: str, have: list[int], size: dict, se
             / median_cost([r for r in theirs if r.get("day") == day])
             for day in days
         )
-        return f"{ms:.0f} ({ratio:.2f}x, same day)"
+        return ratio, True
     both = [s for s in have if str(s) in held]
     if not both:
-        return f"{ms:.0f}"
-    ratio = median_cost([runs[name][str(s)] for s in both]) / median_cost([runs[other][str(s)] for s in both])
-    return f"{ms:.0f} ({ratio:.2f}x)"
+        return None, False
+    return median_cost([runs[name][str(s)] for s in both]) / median_cost([runs[other][str(s)] for s in both]), False
 
 
 def shipped(name: str) -> str:
@@ -404,6 +414,114 @@ def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[
     return out
 
 
+# Issue 61's targets for the default from weights, beside the rule (as good as today's default and cheaper wins):
+# at least this share of the real batch of 64's mAP50-95, level with or above Ultralytics' trainer at the same
+# micro-batch (a paired interval that reaches 0), and at most this multiple of bn=batch's cost
+OF_B64 = 0.98
+OF_BATCH_COST = 1.1
+MODES = ("window", "batch", "frozen", "adapt")
+
+
+def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
+    """Each BatchNorm mode at each micro-batch below BN_AUTO_BELOW, on each set (name: runs, size, seeds), against
+    the targets and against today's default at that micro-batch; then, per micro-batch and mode, the sets on which it
+    meets every target and those on which the rule would take it over the default. A set with no runs of a mode
+    does not judge it; a target with nothing to compare against counts as missed ("unmeasured")."""
+
+    def shipped_values(runs: dict, name: str, keep: list[str]) -> list[float]:
+        return [runs[name][s][shipped(name)][METRICS[1]] for s in keep]
+
+    def against(runs: dict, name: str, other: str, seeds: list[int]) -> dict | None:
+        both = [str(s) for s in seeds if str(s) in runs.get(name, {}) and str(s) in runs.get(other, {})]
+        if not both or other not in CONFIGS:
+            return None
+        ours, theirs = shipped_values(runs, name, both), shipped_values(runs, other, both)
+        ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
+        return {**paired(ours, theirs), "ratio": ratio}
+
+    def diff(d: dict | None) -> str:
+        if d is None:
+            return "–"
+        interval = "" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
+        return f"{d['mean']:+.3f}{interval} ({d['n']})"
+
+    def reach(d: dict) -> float:  # as good where >= 0: the interval's top (one seed: its difference)
+        return d["mean"] if d["high"] is None else d["high"]
+
+    def times(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}x"
+
+    lines = [
+        "# The default from weights against issue 61's targets and rule",
+        "",
+        f"Each BatchNorm mode below {BN_AUTO_BELOW} images per device, from `benchmarks/records/finetune/`'s runs of "
+        "this checkpoint, as each trainer ships it (`python benchmarks/fidelity_finetune.py --report`). Targets: "
+        f"at least {OF_B64}x the real batch of 64's mAP50-95, level with or above `yolo train` at the same "
+        f"micro-batch (the paired 95% interval reaches 0), at most {OF_BATCH_COST}x bn=batch's cost. The rule: a mode "
+        "as good as today's default (the same kind of interval) and cheaper wins. Paired over the seeds both have "
+        "(their number in brackets); cost per image, compared on one day's runs where both have some.",
+        "",
+        "| set | micro-batch | mode | mAP50-95 | vs b64 | vs `yolo train` | cost vs bn=batch "
+        "| vs today's default: paired diff, cost | targets missed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    verdicts: dict[tuple[int, str], dict[str, tuple[list[str], bool | None]]] = {}
+    for micro in range(1, BN_AUTO_BELOW):
+        default = f"b{micro}-{bn_mode('auto', micro)}"
+        for mode in MODES:
+            name = f"b{micro}-{mode}"
+            for data, (runs, size, seeds) in sets.items():
+                have = [s for s in seeds if str(s) in runs.get(name, {})]
+                if name not in CONFIGS or not have:
+                    continue
+                mean = statistics.fmean(shipped_values(runs, name, [str(s) for s in have]))
+                b64, ours = against(runs, name, REFERENCE, seeds), against(runs, name, f"ultralytics-b{micro}", seeds)
+                cost = 1.0 if mode == "batch" else cost_ratio(runs, name, f"b{micro}-batch", have, size, seeds)[0]
+                missed = [
+                    f"{t} unmeasured" for t, v in (("b64", b64), ("`yolo train`", ours), ("cost", cost)) if v is None
+                ]
+                if b64 is not None and b64["ratio"] < OF_B64:
+                    missed.append(f"b64 by {OF_B64 - b64['ratio']:.2f}x")
+                if ours is not None and reach(ours) < 0:
+                    missed.append(f"`yolo train` by {-reach(ours):.3f}")
+                if cost is not None and cost > OF_BATCH_COST:
+                    missed.append(f"cost by {cost - OF_BATCH_COST:.2f}x")
+                if name == default:
+                    rule, today_cell = True, "the default"
+                else:
+                    today, cheaper = (
+                        against(runs, name, default, seeds),
+                        cost_ratio(runs, name, default, have, size, seeds)[0],
+                    )
+                    rule = None if today is None or cheaper is None else reach(today) >= 0 and cheaper < 1
+                    today_cell = f"{diff(today)}, {times(cheaper)}"
+                verdicts.setdefault((micro, mode), {})[data] = (missed, rule)
+                lines.append(
+                    f"| {data} | {micro} | {mode_name(mode)} | {mean:.3f} ({len(have)}) "
+                    f"| {times(b64 and b64['ratio'])} | {diff(ours)} | {times(cost)} | {today_cell} "
+                    f"| {', '.join(missed) or 'none'} |"
+                )
+    lines += ["", "## By micro-batch", ""]
+    for micro in range(1, BN_AUTO_BELOW):
+        judged = {mode: v for (m, mode), v in verdicts.items() if m == micro}
+        if judged:
+            lines.append(f"- {micro} images per device (today bn=auto takes bn={bn_mode('auto', micro)}):")
+        for mode, on in judged.items():
+            met = [data for data, (missed, _) in on.items() if not missed]
+            short = [f"{data} ({', '.join(missed)})" for data, (missed, _) in on.items() if missed]
+            said = f"  - {mode_name(mode)}: every target on {', '.join(met) or 'no set'}"
+            said += f"; short on {'; '.join(short)}" if short else ""
+            if mode != bn_mode("auto", micro):
+                better, worse, unknown = (
+                    [data for data, (_, rule) in on.items() if rule is r] for r in (True, False, None)
+                )
+                said += f". As good as the default and cheaper on {', '.join(better) or 'no set'}"
+                said += f"; not on {', '.join(worse)}" if worse else ""
+                said += f"; no runs of the default to pair with on {', '.join(unknown)}" if unknown else ""
+            lines.append(said + ".")
+    return "\n".join(lines) + "\n"
+
+
 def report_key(saved: dict) -> str | None:
     """--report's checkpoint: make pretrain's, where it is here and has runs in the store, else the last one that
     ran. A checkpoint made again (pretrain.py) starts a new key; the runs of the ones before stay in the store, and
@@ -441,6 +559,7 @@ def study(a: argparse.Namespace, work: Path, out: Path) -> None:
     sizes = {"shapes": {**SMOKE, "seeds": [0]}} if a.smoke else {d: SIZES[d] for d in a.data}
     twin = f"b2-{bn_mode('auto', 2)}"  # the configuration that resolves as b2, the default: b2's runs
     configs = ["b64", "b2", twin, "ultralytics-b2"] if a.smoke else a.configs
+    keys = set()
     for name, size in sizes.items():
         if not a.smoke and not SHARED_SETS[size["dataset"]].exists():
             print(f"fidelity_finetune: {SHARED_SETS[size['dataset']]} is not here; {name} skipped", flush=True)
@@ -450,6 +569,7 @@ def study(a: argparse.Namespace, work: Path, out: Path) -> None:
         key = sha or report_key(saved)
         if key is None:
             continue
+        keys.add(key)
         record = saved.setdefault(key, {"sha256": key, "checkpoint": weights.name if weights else "?", "runs": {}})
         before = json.dumps(saved)
         runs = record["runs"]
@@ -485,6 +605,13 @@ def study(a: argparse.Namespace, work: Path, out: Path) -> None:
         text = report(runs, run_size, configs, seeds, record, name)
         (out / f"{name}-{key[:12]}.md").write_text(text)  # each checkpoint's report apart
         print(text, flush=True)
+    for key in keys:  # every set's runs of the checkpoint, the ones this call did not touch too
+        held = {}
+        for name, size in (sizes if a.smoke else SIZES).items():
+            store = out / f"{name}.json"
+            if store.exists() and key in (saved := json.loads(store.read_text())):
+                held[name] = (saved[key]["runs"], size, size["seeds"])
+        (out / f"targets-{key[:12]}.md").write_text(targets(held))
 
 
 if __name__ == "__main__":

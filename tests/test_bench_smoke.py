@@ -151,6 +151,8 @@ def test_fidelity_finetune_smoke_pairs_runs_with_the_reference_and_ultralytics(t
     table = (tmp_path / f"shapes-{sha[:12]}.md").read_text()  # each checkpoint's report apart
     assert "| b2 | 0 |" in table and "| ultralytics-b2 | 0 |" in table
     assert f"| {twin} (the runs of b2) | 0 |" in table
+    judged = (tmp_path / f"targets-{sha[:12]}.md").read_text()  # issue 61's targets, from every set's runs
+    assert f"| shapes | 2 | bn={bn_mode('auto', 2)} |" in judged and "the default" in judged
 
 
 def test_pretrain_finds_its_checkpoint_by_its_hash_and_refuses_an_altered_one(tmp_path, monkeypatch):

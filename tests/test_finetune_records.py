@@ -162,3 +162,48 @@ def test_a_set_with_no_runs_is_paced_by_the_same_photographs_at_the_same_size(st
     seconds, unknown = study.time_left(alike, [(0, "b2-frozen"), (0, "b2")], study.SIZES["aquarium-40"])
     assert (seconds, unknown) == (800.0, 1)  # twice the epochs, twice the time; b2 has no run anywhere
     assert study.paced_alike(tmp_path, "aquarium", study.SIZES["aquarium"]) == {}  # aquarium-40.json is not there
+
+
+def test_the_targets_judge_each_mode_on_each_set_and_the_rule_needs_every_set(study, modes):
+    """Issue 61's targets and rule from kept runs: bn=frozen meets every target on one set (within 1.1x bn=batch's
+    cost, at the real batch of 64, level with Ultralytics) and is as good as the default and cheaper there; on a set
+    where it trails the default, the rule does not take it, and targets with nothing to compare against are named."""
+    today, _ = modes
+
+    def runs_of(seconds: float, *values: float) -> dict:
+        return {
+            str(s): {**run("x", v), "raw": {study.METRICS[1]: v}, "seconds": seconds, "day": "d"}
+            for s, v in enumerate(values)
+        }
+
+    size = {"images": 10, "epochs": 1}
+    bccd = {
+        "b64": runs_of(1.0, 0.50, 0.50, 0.50),
+        f"b2-{today}": runs_of(3.0, 0.50, 0.51, 0.49),
+        "b2-batch": runs_of(2.0, 0.48, 0.48, 0.48),
+        "b2-frozen": runs_of(2.1, 0.52, 0.53, 0.51),
+        "ultralytics-b2": runs_of(2.0, 0.50, 0.50, 0.50),
+    }
+    aquarium = {f"b2-{today}": runs_of(3.0, 0.06, 0.06, 0.06), "b2-frozen": runs_of(2.0, 0.05, 0.05, 0.05)}
+    longer = {"b2-frozen": runs_of(4.0, 0.10)}  # no run of the default yet: not judged against it
+    sets = {
+        "bccd": (bccd, size, [0, 1, 2]),
+        "aquarium": (aquarium, size, [0, 1, 2]),
+        "aquarium-40": (longer, size, [0]),
+    }
+    text = study.targets(sets)
+    rows = {
+        tuple(cell.strip() for cell in line.split("|")[1:4]): line
+        for line in text.splitlines()
+        if line.startswith("| ")
+    }
+    frozen = rows[("bccd", "2", "bn=frozen")]
+    assert "| 1.04x |" in frozen and "| 1.05x |" in frozen and frozen.endswith("| none |")  # 0.52 / 0.50; 2.1 / 2
+    assert "| +0.020 [+0.020, +0.020] (3), 0.70x |" in frozen  # against today's default, paired; 2.1 / 3
+    assert rows[("aquarium", "2", "bn=frozen")].endswith("| b64 unmeasured, `yolo train` unmeasured, cost unmeasured |")
+    summary = text[text.index("## By micro-batch") :]
+    assert "  - bn=frozen: every target on bccd; short on aquarium (b64 unmeasured" in summary
+    said = "As good as the default and cheaper on bccd; not on aquarium; no runs of the default to pair with on"
+    assert f"{said} aquarium-40." in summary
+    if today == "window":  # bn=batch's cost is the target's measure: today's default misses it by 1.5 - 1.1
+        assert rows[("bccd", "2", "bn=window")].endswith("| cost by 0.40x |")
