@@ -464,8 +464,8 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
         "checkpoint, as each trainer ships it (`python benchmarks/fidelity_finetune.py --report`). Targets: "
         f"at least {OF_B64}x the real batch of 64's mAP50-95, level with or above `yolo train` at the same "
         f"micro-batch (the top of the paired 95% interval at or above 0; with one seed, its difference), at most "
-        f"{OF_BATCH_COST}x bn=batch's cost. The rule: a mode as good as today's default in the same sense (over 2 "
-        "seeds or more), and cheaper, on every set, wins; "
+        f"{OF_BATCH_COST}x bn=batch's cost. The rule: a mode as good as today's default in the same sense (over "
+        "every seed the study plans for the set), and cheaper, on every set, wins; "
         + "".join(
             f"{long} decides for {short} where it has paired runs of the mode, " for long, short in DECIDES_FOR.items()
         )
@@ -507,7 +507,8 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
                         against(runs, name, default, seeds),
                         cost_ratio(runs, name, default, have, size, seeds)[0],
                     )
-                    paired_seeds = today is not None and today["low"] is not None  # one seed is no interval
+                    # every seed the study plans for the set: over 2, a t interval is too wide to tell anything apart
+                    paired_seeds = today is not None and today["n"] >= len(seeds)
                     rule = None if not paired_seeds or cheaper is None else reach(today) >= 0 and cheaper < 1
                     today_cell = f"{diff(today)}, {times(cheaper)}"
                 verdicts.setdefault((micro, mode), {})[data] = (missed, unmeasured, rule)
@@ -535,9 +536,7 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
                 better, worse, unpaired = ([d for d, rule in rules.items() if rule is r] for r in (True, False, None))
                 said += f". As good as the default and cheaper on {', '.join(better) or 'no set'}"
                 said += f"; not on {', '.join(worse)}" if worse else ""
-                said += (
-                    f"; not paired with the default over 2 seeds or more on {', '.join(unpaired)}" if unpaired else ""
-                )
+                said += f"; not paired with the default over all its seeds on {', '.join(unpaired)}" if unpaired else ""
                 said += "".join(f"; {long} decides for {short}" for short, long in decided.items() if short in sets)
                 if absent := [data for data in sets if data not in on and data not in decided]:
                     said += f"; no runs of it on {', '.join(absent)}"
