@@ -261,6 +261,22 @@ def shipped(name: str) -> str:
     return "precise" if CONFIGS[name][0] == "yoloaccum" and PRECISE_BN_FROM_WEIGHTS else "raw"
 
 
+def versus(runs: dict, name: str, other: str, seeds: list) -> dict | None:
+    """`name`'s final mAP50-95 as shipped against `other`'s over the `seeds` both have: paired()'s difference and
+    interval, and the ratio of their means (None where `other`'s is 0); None where they share no seed."""
+    both = [str(s) for s in seeds if str(s) in runs.get(name, {}) and str(s) in runs.get(other, {})]
+    if not both or other not in CONFIGS:
+        return None
+    ours, theirs = ([runs[c][s][shipped(c)][METRICS[1]] for s in both] for c in (name, other))
+    ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else None
+    return {**paired(ours, theirs), "ratio": ratio}
+
+
+def spread(d: dict) -> str:
+    """paired()'s difference with its 95% interval where there is one (2 pairs or more)."""
+    return f"{d['mean']:+.3f}" + ("" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]")
+
+
 def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record: dict, data: str = "shapes") -> str:
     """A row per configuration: final mAP50-95 per seed as its trainer ships it, ratios and paired differences against
     the real batch of 64, against Ultralytics' trainer at the same micro-batch and against yoloaccum's defaults at
@@ -312,9 +328,8 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             if all(same_run(runs, name, other, s) for s in both):
                 cells.append("the same runs")
                 continue
-            ours, theirs = values(name, shipped(name), both), values(other, shipped(other), both)
-            d = paired(ours, theirs)
-            ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else float("nan")
+            d = versus(runs, name, other, both)
+            ratio = float("nan") if d["ratio"] is None else d["ratio"]
             cells.append(f"{ratio:.2f}, {f(d['mean'])} [{f(d['low'])}, {f(d['high'])}] ({len(both)})")
         ms_cell = cost_cell(runs, name, f"b{batch}", have, size, seeds)
         twins = {runs[name][str(s)].get("same_run_as") for s in have} - {None}
@@ -361,10 +376,8 @@ def modes_pooled(runs: dict, seeds: list[int]) -> list[str]:
                 ours += [runs[name][s][shipped(name)][METRICS[1]] for s in both]
                 theirs += [runs[against][s][shipped(against)][METRICS[1]] for s in both]
         if ours:
-            d = paired(ours, theirs)
-            interval = "" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
             modes = f"{mode_name(mode)} − {mode_name(other)}"
-            out.append(f"| {modes} | {', '.join(batches)} | {len(ours)} | {d['mean']:+.3f}{interval} |")
+            out.append(f"| {modes} | {', '.join(batches)} | {len(ours)} | {spread(paired(ours, theirs))} |")
     return out
 
 
@@ -414,9 +427,7 @@ def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[
         "| --- | --- | --- |",
     ]
     for name, pairs in [*rows, *((n, p) for n, p in groups.items() if p)]:
-        d = paired([a for a, _ in pairs], [b for _, b in pairs])
-        interval = "" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
-        out.append(f"| {name} | {len(pairs)} | {d['mean']:+.3f}{interval} |")
+        out.append(f"| {name} | {len(pairs)} | {spread(paired([a for a, _ in pairs], [b for _, b in pairs]))} |")
     return out
 
 
@@ -434,22 +445,8 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
     meets every target, misses one or cannot be judged, and the rule's verdict. A set with no runs of a mode does not
     judge it; a configuration with no runs of its own is read from one that resolves alike (b2-window's from b2's)."""
 
-    def shipped_values(runs: dict, name: str, keep: list[str]) -> list[float]:
-        return [runs[name][s][shipped(name)][METRICS[1]] for s in keep]
-
-    def against(runs: dict, name: str, other: str, seeds: list[int]) -> dict | None:
-        both = [str(s) for s in seeds if str(s) in runs.get(name, {}) and str(s) in runs.get(other, {})]
-        if not both or other not in CONFIGS:
-            return None
-        ours, theirs = shipped_values(runs, name, both), shipped_values(runs, other, both)
-        ratio = statistics.fmean(ours) / statistics.fmean(theirs) if statistics.fmean(theirs) else None
-        return {**paired(ours, theirs), "ratio": ratio}
-
     def diff(d: dict | None) -> str:
-        if d is None:
-            return "–"
-        interval = "" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]"
-        return f"{d['mean']:+.3f}{interval} ({d['n']})"
+        return "–" if d is None else f"{spread(d)} ({d['n']})"
 
     def reach(d: dict) -> float:  # as good where >= 0: the interval's top (one seed: its difference)
         return d["mean"] if d["high"] is None else d["high"]
@@ -466,9 +463,7 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
         f"micro-batch (the top of the paired 95% interval at or above 0; with one seed, its difference), at most "
         f"{OF_BATCH_COST}x bn=batch's cost. The rule: a mode as good as today's default in the same sense (over "
         "every seed the study plans for the set), and cheaper, on every set, wins; "
-        + "".join(
-            f"{long} decides for {short} where it has paired runs of the mode, " for long, short in DECIDES_FOR.items()
-        )
+        + "".join(f"{long} decides for {short} where it has runs of the mode, " for long, short in DECIDES_FOR.items())
         + "its ratios resting on larger gaps. Seeds in brackets; cost per image, compared on one day's runs where "
         "both have some.",
         "",
@@ -476,7 +471,7 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
         "| vs today's default: paired diff, cost | targets missed | unmeasured |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    sets = {data: (with_twins(runs), size, seeds) for data, (runs, size, seeds) in sets.items()}
+    sets = {data: (with_twins(runs, seeds), size, seeds) for data, (runs, size, seeds) in sets.items()}
     verdicts: dict[tuple[int, str], dict[str, tuple[list[str], list[str], bool | None]]] = {}
     for micro in range(1, BN_AUTO_BELOW):
         default = f"b{micro}-{bn_mode('auto', micro)}"
@@ -486,14 +481,12 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
                 have = [s for s in seeds if str(s) in runs.get(name, {})]
                 if name not in CONFIGS or not have:
                     continue
-                mean = statistics.fmean(shipped_values(runs, name, [str(s) for s in have]))
-                b64, ours = against(runs, name, REFERENCE, seeds), against(runs, name, f"ultralytics-b{micro}", seeds)
+                mean = statistics.fmean(runs[name][str(s)][shipped(name)][METRICS[1]] for s in have)
+                b64, ours = versus(runs, name, REFERENCE, seeds), versus(runs, name, f"ultralytics-b{micro}", seeds)
                 ratio = None if b64 is None else b64["ratio"]
                 cost = 1.0 if mode == "batch" else cost_ratio(runs, name, f"b{micro}-batch", have, size, seeds)[0]
-                missed, unmeasured = (
-                    [],
-                    [t for t, v in (("b64", ratio), ("`yolo train`", ours), ("cost", cost)) if v is None],
-                )
+                unmeasured = [t for t, v in (("b64", ratio), ("`yolo train`", ours), ("cost", cost)) if v is None]
+                missed = []
                 if ratio is not None and ratio < OF_B64:
                     missed.append(f"b64 {ratio:.2f}x (≥ {OF_B64}x)")
                 if ours is not None and reach(ours) < 0:
@@ -503,10 +496,8 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
                 if name == default:
                     rule, today_cell = True, "the default"
                 else:
-                    today, cheaper = (
-                        against(runs, name, default, seeds),
-                        cost_ratio(runs, name, default, have, size, seeds)[0],
-                    )
+                    today = versus(runs, name, default, seeds)
+                    cheaper = cost_ratio(runs, name, default, have, size, seeds)[0]
                     # every seed the study plans for the set: over 2, a t interval is too wide to tell anything apart
                     paired_seeds = today is not None and today["n"] >= len(seeds)
                     rule = None if not paired_seeds or cheaper is None else reach(today) >= 0 and cheaper < 1
@@ -546,18 +537,15 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def with_twins(runs: dict) -> dict:
-    """`runs` with each configuration that has no runs given those of another that trained its settings, as kept()
-    copies them when it makes runs (b2-window's from b2's while bn=window is b2's default), so that a report of runs
-    made under the other name reads them too."""
-    out = dict(runs)
+def with_twins(runs: dict, seeds: list[int]) -> dict:
+    """A copy of `runs` in which each configuration holds, for the `seeds` it has no run of, the run of another that
+    trained its settings, as kept() copies them when the study makes runs (b2-window's from b2's while bn=window is
+    b2's default), so that a report of runs made under the other name reads them too."""
+    record = {"runs": {name: dict(held) for name, held in runs.items()}}
     for name in CONFIGS:
-        for twin in [] if out.get(name) else [o for o in runs if o in CONFIGS and o != name]:
-            alike = {s: r for s, r in runs[twin].items() if settings_of(twin, r) == resolved(name)}
-            if alike:
-                out[name] = {s: {**r, "same_run_as": r.get("same_run_as", twin)} for s, r in alike.items()}
-                break
-    return out
+        for seed in seeds:
+            kept(record, name, seed)
+    return record["runs"]
 
 
 def report_key(saved: dict) -> str | None:
