@@ -548,6 +548,15 @@ def with_twins(runs: dict, seeds: list[int]) -> dict:
     return record["runs"]
 
 
+def set_report(record: dict, data: str, size: dict, planned: list[int]) -> str:
+    """The set's report from every run the store holds for the checkpoint: each configuration, on the seeds the study
+    plans and any others held, twins read. Whichever runs a call made (`--configs b2-batch --seeds 0`), it rewrites
+    the whole report, never one of that call's runs alone."""
+    runs = record["runs"]
+    seeds = sorted({int(s) for held in runs.values() for s in held} | set(planned))
+    return report(with_twins(runs, seeds), size, list(CONFIGS), seeds, record, data)
+
+
 def report_key(saved: dict) -> str | None:
     """--report's checkpoint: make pretrain's, where it is here and has runs in the store, else the last one that
     ran. A checkpoint made again (pretrain.py) starts a new key; the runs of the ones before stay in the store, and
@@ -628,7 +637,7 @@ def study(a: argparse.Namespace, work: Path, out: Path) -> None:
                 store.write_text(json.dumps(saved, indent=1) + "\n")
         if json.dumps(saved) != before:  # kept runs moved or paired under today's defaults
             store.write_text(json.dumps(saved, indent=1) + "\n")
-        text = report(runs, run_size, configs, seeds, record, name)
+        text = set_report(record, name, run_size, size["seeds"])
         (out / f"{name}-{key[:12]}.md").write_text(text)  # each checkpoint's report apart
         print(text, flush=True)
     for key in keys:  # every set's runs of the checkpoint, the ones this call did not touch too

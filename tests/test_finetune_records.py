@@ -236,3 +236,34 @@ def test_the_targets_judge_each_mode_on_each_set_and_the_rule_set_by_set(study, 
     decides = "; aquarium-40 decides for aquarium. The rule:"
     assert longer(0.11, 0.12).endswith(f"over all its seeds on aquarium-40{decides} undecided.")  # 2 of 3 seeds
     assert longer(0.11, 0.12, 0.13).endswith(f"cheaper on bccd, aquarium-40{decides} taken.")
+
+
+def test_a_study_of_one_configuration_rewrites_the_sets_whole_report(study, modes):
+    """`--configs b2-batch --seeds 0` writes the set's report from every kept run, not from that call's: each
+    configuration's row, the seeds held beyond the planned ones, and the default's twin paired over every seed."""
+    today, _ = modes
+
+    def runs_of(name: str, *values: float) -> dict:
+        kept = {"resolved": study.resolved(name), "seconds": 1.0, "day": "d", "precise": {study.METRICS[1]: 0.0}}
+        return {str(s): {"raw": {study.METRICS[1]: v}, **kept} for s, v in enumerate(values)}
+
+    record = {
+        "sha256": "0" * 64,
+        "checkpoint": "w.pt",
+        "runs": {
+            "b2": runs_of("b2", 0.50, 0.51, 0.49, 0.50),  # seed 3 beyond the planned 0-2
+            "b2-frozen": runs_of("b2-frozen", 0.52, 0.53, 0.51),
+            "b2-batch": runs_of("b2-batch", 0.48),
+        },
+    }
+    size = {"dataset": "bccd", "epochs": 20, "imgsz": 256, "images": 10, "precise_images": 56}
+    text = study.set_report(record, "bccd", size, [0, 1, 2])
+    rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| b")]
+    assert rows[:4] == [
+        ["| b2", "0,1,2,3"],
+        ["| b2-batch", "0"],
+        ["| b2-frozen", "0,1,2"],
+        [f"| b2-{today} (the runs of b2)", "0,1,2,3"],
+    ]
+    assert f"| bn=frozen − bn={today} | 2 | 3 |" in text  # the twin read over every seed it has
+    assert set(record["runs"]) == {"b2", "b2-frozen", "b2-batch"}  # the store's record is not changed
