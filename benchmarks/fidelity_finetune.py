@@ -516,7 +516,9 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
         for mode, on in judged.items():
             met = [data for data, (missed, unmeasured, _) in on.items() if not missed and not unmeasured]
             short = [f"{data} ({', '.join(missed)})" for data, (missed, _, _) in on.items() if missed]
-            said = f"  - {mode_name(mode)}: every target on {', '.join(met) or 'no set'}"
+            said = f"  - {mode_name(mode)}: " + (
+                f"every target met on {', '.join(met)}" if met else "no set meets every target"
+            )
             said += f"; missed on {'; '.join(short)}" if short else ""
             if unknown := [data for data, (_, unmeasured, _) in on.items() if unmeasured]:
                 said += f"; unmeasured on {', '.join(unknown)}"
@@ -528,7 +530,11 @@ def targets(sets: dict[str, tuple[dict, dict, list[int]]]) -> str:
                 said += f". As good as the default and cheaper on {', '.join(better) or 'no set'}"
                 said += f"; not on {', '.join(worse)}" if worse else ""
                 said += f"; not paired with the default over all its seeds on {', '.join(unpaired)}" if unpaired else ""
-                said += "".join(f"; {long} decides for {short}" for short, long in decided.items() if short in sets)
+                for short, long in decided.items():  # and what the set's own runs alone would say, beside it
+                    if short not in sets:
+                        continue
+                    alone = {True: "taken", False: "not taken", None: "undecided"}[on[short][2]] if short in on else ""
+                    said += f"; {long} decides for {short}" + (f" (its own runs alone: {alone})" if alone else "")
                 if absent := [data for data in sets if data not in on and data not in decided]:
                     said += f"; no runs of it on {', '.join(absent)}"
                 verdict = "not taken" if worse else "undecided" if unpaired or absent or not better else "taken"

@@ -221,7 +221,7 @@ def test_the_targets_judge_each_mode_on_each_set_and_the_rule_set_by_set(study, 
     assert rows[("bccd", "2", "bn=window")][5] == "cost 1.50x (≤ 1.1x)"
     assert rows[("aquarium", "2", "bn=frozen")][5:] == ["none", "b64, `yolo train`, cost |"]
     summary = text[text.index("## By micro-batch") :]
-    assert "  - bn=frozen: every target on bccd; unmeasured on aquarium." in summary
+    assert "  - bn=frozen: every target met on bccd; unmeasured on aquarium." in summary
     assert "As good as the default and cheaper on bccd; not on aquarium. The rule: not taken." in summary
     assert "missed on bccd (b64 0.90x" in summary and "no runs of it on aquarium. The rule: not taken" in summary
 
@@ -233,7 +233,7 @@ def test_the_targets_judge_each_mode_on_each_set_and_the_rule_set_by_set(study, 
         text = study.targets({**sets, "aquarium-40": (runs, size, [0, 1, 2])})
         return next(line for line in text.splitlines() if line.startswith("  - bn=frozen:"))
 
-    decides = "; aquarium-40 decides for aquarium. The rule:"
+    decides = "; aquarium-40 decides for aquarium (its own runs alone: not taken). The rule:"
     assert longer(0.11, 0.12).endswith(f"over all its seeds on aquarium-40{decides} undecided.")  # 2 of 3 seeds
     assert longer(0.11, 0.12, 0.13).endswith(f"cheaper on bccd, aquarium-40{decides} taken.")
 
