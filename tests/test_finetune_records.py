@@ -267,3 +267,12 @@ def test_a_study_of_one_configuration_rewrites_the_sets_whole_report(study, mode
     ]
     assert f"| bn=frozen − bn={today} | 2 | 3 |" in text  # the twin read over every seed it has
     assert set(record["runs"]) == {"b2", "b2-frozen", "b2-batch"}  # the store's record is not changed
+
+
+def test_each_planned_configuration_exists_and_none_is_another_s_twin(study):
+    """`make fidelity-finetune`'s plan per set: names the study knows, and no two that resolve alike (the default's
+    twin planned beside b2 would be asked for twice and made once)."""
+    for data, names in study.PLANNED.items():
+        assert set(names) <= set(study.CONFIGS) and data in study.SIZES
+        settings = [json.dumps(study.resolved(name), sort_keys=True) for name in names]
+        assert len(set(settings)) == len(names), data
