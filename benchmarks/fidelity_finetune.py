@@ -65,11 +65,8 @@ REFERENCE = "b64"
 # and the README's row at 8; on aquarium-40 the modes at 2 and the real batch, what it decides for aquarium.
 # b2-window and b4-window are the default's runs (twins) while bn=auto takes bn=window there.
 STUDY = ["b64", "b2", "b2-frozen", "b2-adapt", "b4", "b4-frozen", "b4-adapt", "b2-batch", "b4-batch"]
-PLANNED = {
-    "bccd": STUDY + ["ultralytics-b2", "ultralytics-b4", "b8", "ultralytics-b8"],
-    "aquarium": STUDY + ["ultralytics-b2", "ultralytics-b4", "b8", "ultralytics-b8"],
-    "aquarium-40": ["b2", "b2-adapt", "b2-frozen", "b64"],
-}
+STUDY += ["ultralytics-b2", "ultralytics-b4", "b8", "ultralytics-b8"]
+PLANNED = {"bccd": STUDY, "aquarium": STUDY, "aquarium-40": ["b2", "b2-adapt", "b2-frozen", "b64"]}
 # Fine-tuning is shorter than training from scratch; the sizes keep a run to minutes on 2 CPU cores.
 SIZES = {
     "bccd": {"dataset": "bccd", "imgsz": 256, "epochs": 20, "images": 292, "seeds": [0, 1, 2, 3, 4]},
@@ -287,10 +284,11 @@ def spread(d: dict) -> str:
     return f"{d['mean']:+.3f}" + ("" if d["low"] is None else f" [{d['low']:+.3f}, {d['high']:+.3f}]")
 
 
-def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record: dict, data: str = "shapes") -> str:
-    """A row per configuration: final mAP50-95 per seed as its trainer ships it, ratios and paired differences against
-    the real batch of 64, against Ultralytics' trainer at the same micro-batch and against yoloaccum's defaults at
-    the same micro-batch (the BatchNorm policy's question), and the cost per image with its ratio to the defaults'."""
+def report(runs: dict, size: dict, seeds: list[int], record: dict, data: str = "shapes") -> str:
+    """A row per configuration with runs: final mAP50-95 per seed as its trainer ships it, ratios and paired
+    differences against the real batch of 64, against Ultralytics' trainer at the same micro-batch and against
+    yoloaccum's defaults at the same micro-batch (the BatchNorm policy's question), and the cost per image with its
+    ratio to the defaults'."""
 
     def f(x):
         return "–" if x is None else f"{x:+.3f}"
@@ -323,7 +321,7 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
         "| ms per image (vs defaults) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name in configs:
+    for name in CONFIGS:
         have = [s for s in seeds if str(s) in runs.get(name, {})]
         if not have:
             continue
@@ -349,7 +347,7 @@ def report(runs: dict, size: dict, configs: list[str], seeds: list[int], record:
             f"| {statistics.fmean(mine):.3f} ({statistics.fmean(recomputed):.3f}) "
             f"| {cells[0]} | {cells[1]} | {cells[2]} | {ms_cell} |"
         )
-    return "\n".join(lines + modes_pooled(runs, seeds) + precise_bn_effect(runs, configs, seeds)) + "\n"
+    return "\n".join(lines + modes_pooled(runs, seeds) + precise_bn_effect(runs, seeds)) + "\n"
 
 
 # the BatchNorm policy's questions: each mode against bn=batch, bn=frozen, the cheap one, against bn=window, and
@@ -402,14 +400,14 @@ def same_run(runs: dict, name: str, other: str, seed: int) -> bool:
     return a.get("same_run_as") == other or b.get("same_run_as") == name
 
 
-def precise_bn_effect(runs: dict, configs: list[str], seeds: list[int]) -> list[str]:
+def precise_bn_effect(runs: dict, seeds: list[int]) -> list[str]:
     """What precise_bn's recompute does to yoloaccum's fine-tuned runs: each run's final EMA with precise statistics
     against the same weights as trained (what precise_bn=0 gives), per configuration and pooled over the distinct
     runs below BN_AUTO_BELOW images per micro-batch and at or above it; paired by construction. The pools leave out
     bn=frozen and freeze= runs, which keep some or all of the checkpoint's statistics: a recompute is another thing
     for them (it breaks bn=frozen), and they would swamp what it does to the runs whose every BatchNorm trains."""
     rows, groups, counted = [], {}, set()
-    for name in configs:
+    for name in CONFIGS:
         have = {s: runs[name][str(s)] for s in seeds if str(s) in runs.get(name, {})}
         if CONFIGS[name][0] != "yoloaccum" or not have:
             continue
@@ -570,7 +568,7 @@ def set_report(record: dict, data: str, size: dict, planned: list[int]) -> str:
     the whole report, never one of that call's runs alone."""
     runs = record["runs"]
     seeds = sorted({int(s) for held in runs.values() for s in held} | set(planned))
-    return report(with_twins(runs, seeds), size, list(CONFIGS), seeds, record, data)
+    return report(with_twins(runs, seeds), size, seeds, record, data)
 
 
 def report_key(saved: dict) -> str | None:
