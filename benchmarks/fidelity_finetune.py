@@ -64,8 +64,10 @@ REFERENCE = "b64"
 # images per device (adapted and plain bn=frozen against the default, bn=batch, the real batch of 64 and `yolo train`)
 # and the README's row at 8; on aquarium-40 the modes at 2 and the real batch, what it decides for aquarium.
 # b2-window and b4-window are the default's runs (twins) while bn=auto takes bn=window there.
-STUDY = ["b64", "b2", "b2-frozen", "b2-adapt", "b4", "b4-frozen", "b4-adapt", "b2-batch", "b4-batch"]
-STUDY += ["ultralytics-b2", "ultralytics-b4", "b8", "ultralytics-b8"]
+STUDY = [
+    *("b64", "b2", "b2-frozen", "b2-adapt", "b4", "b4-frozen", "b4-adapt", "b2-batch", "b4-batch"),
+    *("ultralytics-b2", "ultralytics-b4", "b8", "ultralytics-b8"),
+]
 PLANNED = {"bccd": STUDY, "aquarium": STUDY, "aquarium-40": ["b2", "b2-adapt", "b2-frozen", "b64"]}
 # Fine-tuning is shorter than training from scratch; the sizes keep a run to minutes on 2 CPU cores.
 SIZES = {
