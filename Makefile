@@ -94,7 +94,8 @@ fidelity: install
 	else echo "fidelity: ../shared/datasets/bccd.yaml is not here, so the BCCD runs are skipped"; fi
 
 # The fine-tuning study's starting point: yolo26n trained on ../shared's hardhat photographs with a real batch of 64 at
-# 224 px (85 minutes on 2 CPU cores), in benchmarks/pretrained/ (the .pt outside git) with its SHA-256, mAP and results.csv.
+# 224 px, in benchmarks/pretrained/ (the .pt outside git's tree) with its SHA-256, mAP and results.csv: restored from
+# git's history where a commit there holds the recorded file, else trained (85 minutes on 2 CPU cores).
 pretrain: install
 	$(BIN)/python benchmarks/pretrain.py
 

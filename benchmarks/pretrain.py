@@ -1,6 +1,6 @@
 """The pretrained checkpoint the fine-tuning study starts from: yolo26n trained on hardhat with a real batch of 64.
 
-    python benchmarks/pretrain.py            # make it if it is missing (about an hour on 2 CPU cores), print its path
+    python benchmarks/pretrain.py            # if missing, restore it from git history or train it; print its path
     python benchmarks/pretrain.py --force    # make it again
     python benchmarks/pretrain.py --check    # print its path and record; exit 1 if it is missing or altered
 
@@ -8,10 +8,12 @@ COCO weights cannot be had on these machines (nothing downloads), so hardhat's 4
 sites stand in for COCO: real photographs, a different domain from the fine-tuning sets (blood smears, aquariums),
 and enough images for BatchNorm's running statistics to settle. The checkpoint is best.pt of that run, Ultralytics'
 stripped half-precision layout, as a user's yolo26n.pt is. It lives in benchmarks/pretrained/ (or
-$YOLOACCUM_PRETRAINED), outside git (weights are not committed), beside a JSON record with its SHA-256, recipe and
-hardhat val mAP and its results.csv, which git keeps. The study checks the hash before every run, so it never
-fine-tunes from a file that changed underneath it. A run stopped before its end (a session's time is up) resumes from
-its work folder there (not in git) at the next `make pretrain`.
+$YOLOACCUM_PRETRAINED), outside git's tree, beside a JSON record with its SHA-256, recipe and hardhat val mAP and
+its results.csv, which git keeps. The study checks the hash before every run, so it never fine-tunes from a file that
+changed underneath it. The recipe does not give the same file twice (the code it trains with changes, and the file
+holds its date), so a missing checkpoint is first looked for in git's history, where commit 7735957 kept the
+study's, and restored from there when its hash is the recorded one; only then is it trained anew. A run stopped
+before its end (a session's time is up) resumes from its work folder there (not in git) at the next `make pretrain`.
 """
 
 from __future__ import annotations
@@ -71,11 +73,29 @@ def record() -> dict | None:
 
 def ensure(force: bool = False) -> Path:
     """The checkpoint's path; trains it first when it is missing, altered, or force is set."""
-    if not force and record() is not None:
+    if not force and (record() is not None or restore()):
         return home() / f"{NAME}.pt"
     if not HARDHAT_YAML.is_file():
         raise SystemExit(f"pretrain: {HARDHAT_YAML} is not here; the pretrained checkpoint is made from it")
     return make()
+
+
+def restore() -> bool:
+    """Put the recorded checkpoint back from git's history (a fresh clone, a new machine) if a commit there holds a
+    file with the recorded hash; False, and nothing written, where none does."""
+    meta = home() / f"{NAME}.json"
+    if not meta.is_file():
+        return False
+    wanted = json.loads(meta.read_text()).get("sha256")
+    path = (HERE / "pretrained" / f"{NAME}.pt").relative_to(REPO).as_posix()
+    revisions = git("rev-list", "HEAD", "--", path).split()
+    for rev in revisions:
+        blob = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, cwd=REPO).stdout
+        if blob and hashlib.sha256(blob).hexdigest() == wanted:
+            (home() / f"{NAME}.pt").write_bytes(blob)
+            print(f"pretrain: restored {NAME}.pt from commit {rev[:7]} of git's history", flush=True)
+            return True
+    return False
 
 
 def make() -> Path:
@@ -123,10 +143,16 @@ def make() -> Path:
     return target
 
 
+def git(*args: str) -> str:
+    """git's output in the repository ("" where git or the repository is missing)."""
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    except FileNotFoundError:
+        return ""
+
+
 def git_head() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    return git("rev-parse", "--short", "HEAD")
 
 
 def main() -> None:
@@ -138,7 +164,7 @@ def main() -> None:
     if a.check:
         saved = record()
         if saved is None:
-            print(f"pretrain: {home() / NAME}.pt is missing or altered; run make pretrain")
+            print(f"pretrain: {home() / NAME}.pt is missing or altered; make pretrain restores it from git or trains")
             raise SystemExit(1)
         print(home() / f"{NAME}.pt", json.dumps(saved["hardhat_val"]))
         return

@@ -169,3 +169,21 @@ def test_pretrain_finds_its_checkpoint_by_its_hash_and_refuses_an_altered_one(tm
     assert pretrain.record() is not None and pretrain.ensure() == weights
     weights.write_bytes(b"altered")
     assert pretrain.record() is None
+
+
+def test_pretrain_restores_the_recorded_checkpoint_from_git_history_and_nothing_else(tmp_path, monkeypatch):
+    """The recipe never gives the same file twice, so a fresh clone gets the study's checkpoint back from the commit
+    that kept it, checked by its hash; a record no commit matches restores nothing (and ensure would train)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import pretrain
+
+    kept = subprocess.run(["git", "cat-file", "-e", "7735957^{commit}"], cwd=REPO, capture_output=True)
+    if kept.returncode:
+        pytest.skip("a shallow clone: the commit that keeps the checkpoint is not in its history")
+    monkeypatch.setenv("YOLOACCUM_PRETRAINED", str(tmp_path))
+    weights, meta = tmp_path / f"{pretrain.NAME}.pt", tmp_path / f"{pretrain.NAME}.json"
+    meta.write_text(json.dumps({"sha256": "0" * 64}))
+    assert not pretrain.restore() and not weights.exists()
+    meta.write_text((REPO / "benchmarks/pretrained" / meta.name).read_text())
+    assert pretrain.restore() and pretrain.record() is not None
+    assert pretrain.sha256(weights) == json.loads(meta.read_text())["sha256"]
