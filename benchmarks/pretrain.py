@@ -72,7 +72,8 @@ def record() -> dict | None:
 
 
 def ensure(force: bool = False) -> Path:
-    """The checkpoint's path; trains it first when it is missing, altered, or force is set."""
+    """The checkpoint's path; where it is missing or altered, restored from git's history, else trained (as it is
+    when force is set)."""
     if not force and (record() is not None or restore()):
         return home() / f"{NAME}.pt"
     if not HARDHAT_YAML.is_file():
